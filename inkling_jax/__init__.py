@@ -1,0 +1,14 @@
+"""inkling-jax: a JAX/Pallas serving core and research library for Inkling."""
+
+from .config import AttentionGeometry, InklingConfig
+from .model import cast_params, check_params, forward, forward_hidden, init_params, mtp_forward, param_shapes
+
+__all__ = [
+    "InklingConfig", "AttentionGeometry",
+    "init_params", "forward", "forward_hidden", "mtp_forward", "param_shapes", "check_params", "cast_params",
+]
+__version__ = "0.1.0"
+
+from .weights import load_checkpoint, load_pretrained, save_checkpoint, save_pretrained  # noqa: E402
+
+__all__ += ["load_pretrained", "save_pretrained", "save_checkpoint", "load_checkpoint"]

@@ -1,0 +1,100 @@
+"""Reference forward: whole sequences, no cache, differentiable. The oracle the serving
+steps are tested against (and itself tested against HF transformers)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from ..config import AttentionGeometry, InklingConfig
+from . import layers as L
+
+Params = dict[str, Any]
+
+
+@dataclass
+class DenseContext:
+    """Layer context for dense [B, T] sequences starting at position 0 (no past state)."""
+
+    cfg: InklingConfig
+    positions: Int[Array, "b t"]
+
+    def conv(self, stream: str, x: Array, weight: Array) -> Array:
+        return L.causal_conv(x, weight)[0]
+
+    def attend(self, q: Array, k: Array, v: Array, r: Array, rel_proj: Array, geom: AttentionGeometry) -> Array:
+        valid = jnp.ones(self.positions.shape, bool)
+        return L.attention_core(q, k, v, r, rel_proj, self.positions, self.positions, valid, geom, self.cfg)
+
+
+def forward_hidden(params: Params, cfg: InklingConfig, tokens: Int[Array, "b t"]) -> Float[Array, "b t h"]:
+    """Final-normed hidden states (the tensor the LM head and MTP depth 0 read), model dtype."""
+    dtype = params["unembed"].dtype
+    b, t = tokens.shape
+    ctx = DenseContext(cfg, jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)))
+    x = L.embed(params, cfg, tokens, dtype)
+    for i, p in enumerate(params["layers"]):
+        x = L.decoder_layer(p, cfg, cfg.layer_geometry(i), cfg.is_dense(i), x, ctx)
+    return L.rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+
+
+def forward(params: Params, cfg: InklingConfig, tokens: Int[Array, "b t"]) -> Float[Array, "b t v"]:
+    """Logits (fp32, unpadded vocab) for every position of tokens [B, T]."""
+    tokens = jnp.asarray(tokens, jnp.int32)
+    return L.lm_head(params, cfg, forward_hidden(params, cfg, tokens))
+
+
+def mtp_depth_input(params: Params, cfg: InklingConfig, depth: int, h_prev: Array, tokens: Array) -> Array:
+    """z = input_proj([hidden_norm(h_prev), enorm(embed_norm(E[tok]))]) for one MTP depth."""
+    p = params["mtp"]["layers"][depth]
+    e = L.embed(params, cfg, tokens, h_prev.dtype)  # the target's embedding and embed_norm
+    e = L.rms_norm(e, p["embed_norm"], cfg.rms_norm_eps)
+    hn = L.rms_norm(h_prev, p["hidden_norm"], cfg.rms_norm_eps)
+    z = jnp.concatenate([hn, e] if cfg.mtp_hidden_states_first else [e, hn], axis=-1)
+    return L.linear(z, p["input_proj"])
+
+
+def mtp_depth_output(params: Params, cfg: InklingConfig, y: Array) -> Array:
+    """The hidden state a depth hands on (chain_norm'd if chain_hidden_post_norm)."""
+    if cfg.chain_hidden_post_norm:
+        return L.rms_norm(y, params["mtp"]["chain_norm"], cfg.rms_norm_eps)
+    return y
+
+
+def mtp_forward(
+    params: Params, cfg: InklingConfig, hidden: Float[Array, "b t h"], tokens: Int[Array, "b t"],
+    num_depths: int | None = None,
+) -> tuple[Float[Array, "d b t v"], Float[Array, "d b t h"]]:
+    """The chain of MTP depths over whole sequences (the draft-prefill computation).
+
+    hidden: the target's final-normed hidden states for tokens t_0..t_{T-1}.
+    Depth i at row j reads the previous depth's hidden (the target's for i = 0) and token
+    t_{j+i+1}, and predicts t_{j+i+2}. Tokens past the known sequence are the greedy
+    predictions of the previous depth (of the target for depth 0) at the same row.
+    Returns (logits [D, B, T, V] fp32, hidden states handed down the chain [D, B, T, H])."""
+    if not cfg.num_mtp_layers:
+        raise ValueError("mtp_forward: the config has no MTP depths (num_mtp_layers = 0)")
+    num_depths = cfg.num_mtp_layers if num_depths is None else num_depths
+    tokens = jnp.asarray(tokens, jnp.int32)
+    b, t = tokens.shape
+    ctx = DenseContext(cfg, jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)))
+    # stream[j] = t_{j+i+1} for depth i; starts as the target's view (shift by 1) and the
+    # last slot is filled with the previous predictor's greedy token at that row.
+    prev_logits = L.lm_head(params, cfg, hidden)
+    h_prev, known = hidden, tokens
+    all_logits, all_hidden = [], []
+    for d in range(num_depths):
+        pred_last = jnp.argmax(prev_logits[:, -1], axis=-1).astype(jnp.int32)  # predicts t_{T+d}
+        known = jnp.concatenate([known, pred_last[:, None]], axis=1)  # t_0 .. t_{T+d}
+        step_tokens = known[:, d + 1:d + 1 + t]  # t_{j+d+1}
+        z = mtp_depth_input(params, cfg, d, h_prev, step_tokens)
+        y = L.decoder_layer(params["mtp"]["layers"][d]["block"], cfg, cfg.mtp_geometry(d), True, z, ctx)
+        h_prev = mtp_depth_output(params, cfg, y)
+        prev_logits = L.lm_head(params, cfg, h_prev)
+        all_logits.append(prev_logits)
+        all_hidden.append(h_prev)
+    return jnp.stack(all_logits), jnp.stack(all_hidden)

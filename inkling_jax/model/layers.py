@@ -1,0 +1,303 @@
+"""Inkling's layer math as pure functions over parameter dicts.
+
+Everything here is independent of how tokens are laid out (dense `[B, T]` for the
+reference forward, packed ragged `[T]` for the serving steps): the two places where the
+layout matters, the short convolutions and the attention over past keys, are delegated to a
+*context* object with two methods,
+
+    ctx.conv(stream, x, weight) -> y          # stream in {"k", "v", "attn", "mlp"}
+    ctx.attend(q, k, v, r, rel_proj, geom) -> o
+
+so one copy of the layer math serves the reference path (`forward.py`) and the cached steps.
+
+Numerics follow `reference/inkling-model.md` §7: matmuls accumulate in fp32 and return the
+activation dtype; norms, the router, SwiGLU, conv accumulation, softmax and log scaling run
+in fp32.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Protocol
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, Int
+
+from ..config import AttentionGeometry, InklingConfig
+
+Params = dict[str, Any]
+
+CONV_STREAMS = ("k", "v", "attn", "mlp")
+
+
+class LayerContext(Protocol):
+    def conv(self, stream: str, x: Array, weight: Array) -> Array: ...
+
+    def attend(self, q: Array, k: Array, v: Array, r: Array, rel_proj: Array, geom: AttentionGeometry) -> Array: ...
+
+
+# ----------------------------------------------------------------------------- basics
+
+
+def linear(x: Float[Array, "... i"], w: Float[Array, "i o"]) -> Float[Array, "... o"]:
+    """x @ w with fp32 accumulation, returned in x's dtype."""
+    return jnp.matmul(x, w.astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+def rms_norm(x: Float[Array, "... d"], weight: Float[Array, "d"], eps: float) -> Float[Array, "... d"]:
+    """x / sqrt(mean(x^2) + eps) * weight, computed in fp32, returned in x's dtype."""
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (weight.astype(x.dtype) * xf.astype(x.dtype)).astype(x.dtype)
+
+
+def conv_from_taps(x: Float[Array, "... d"], taps: Float[Array, "... k d"], weight: Float[Array, "k d"]) -> Array:
+    """Short-conv output for tokens whose K input taps are gathered already.
+
+    taps[..., i, :] is the input K-1-i tokens before the current one (tap K-1 is the token
+    itself). y = x + sum_i weight[i] * taps[i], accumulated in fp32 (Inkling's convs have a
+    residual and no bias or activation)."""
+    acc = jnp.einsum("...kd,kd->...d", taps.astype(jnp.float32), weight.astype(jnp.float32))
+    return (x.astype(jnp.float32) + acc).astype(x.dtype)
+
+
+def causal_conv(
+    x: Float[Array, "b t d"], weight: Float[Array, "k d"], window: Float[Array, "b km1 d"] | None = None
+) -> tuple[Float[Array, "b t d"], Float[Array, "b km1 d"]]:
+    """Depthwise causal conv over whole sequences, with an optional initial window.
+
+    window: the K-1 inputs before x[:, 0] (oldest first); zeros when None.
+    Returns (y, new_window) where new_window holds the last K-1 inputs of [window ++ x]."""
+    k = weight.shape[0]
+    b, t, d = x.shape
+    if window is None:
+        window = jnp.zeros((b, k - 1, d), x.dtype)
+    padded = jnp.concatenate([window.astype(x.dtype), x], axis=1)  # [b, t+k-1, d]
+    taps = jnp.stack([padded[:, i:i + t] for i in range(k)], axis=2)  # [b, t, k, d]
+    return conv_from_taps(x, taps, weight), padded[:, t:]
+
+
+# ------------------------------------------------------------------------- attention
+
+
+def log_scaling_tau(positions: Int[Array, "..."], cfg: InklingConfig) -> Float[Array, "..."]:
+    """tau = 1 + alpha * ln(max((pos+1)/n_floor, 1)), fp32."""
+    n = (positions + 1).astype(jnp.float32)
+    return 1.0 + cfg.log_scaling_alpha * jnp.log(jnp.maximum(n / cfg.log_scaling_n_floor, 1.0))
+
+
+def attention_core(
+    q: Float[Array, "b tq nh hd"],
+    k: Float[Array, "b tk nkv hd"],
+    v: Float[Array, "b tk nkv hd"],
+    r: Float[Array, "b tq nh dr"],
+    rel_proj: Float[Array, "dr e"],
+    q_pos: Int[Array, "b tq"],
+    k_pos: Int[Array, "b tk"],
+    k_valid: Bool[Array, "b tk"],
+    geom: AttentionGeometry,
+    cfg: InklingConfig,
+) -> Float[Array, "b tq nh hd"]:
+    """Inkling attention for queries against an explicit set of keys with known positions.
+
+    q and k are already RMS-normalised per head. Score = q.k / head_dim + bias(pos_q - pos_k),
+    with the learned relative bias zero outside [0, rel_extent); causal mask plus the sliding
+    window (pos_q - pos_k <= window - 1) on local layers; invalid keys (k_valid False) masked.
+    Full layers with log scaling multiply q and the bias by tau(pos_q). Softmax in fp32.
+    A query with no valid key returns zeros."""
+    dtype = q.dtype
+    b, tq, nh, hd = q.shape
+    nkv = k.shape[2]
+    group = nh // nkv
+
+    rel = jnp.einsum("bqhr,re->bqhe", r, rel_proj.astype(r.dtype), preferred_element_type=jnp.float32).astype(dtype)
+    dist = q_pos[:, :, None] - k_pos[:, None, :]  # [b, tq, tk]
+    in_extent = (dist >= 0) & (dist < geom.rel_extent)
+    gather_idx = jnp.clip(dist, 0, geom.rel_extent - 1)
+    bias = jnp.take_along_axis(rel, jnp.broadcast_to(gather_idx[:, :, None, :], (b, tq, nh, dist.shape[-1])), axis=-1)
+    bias = jnp.where(in_extent[:, :, None, :], bias, jnp.zeros((), dtype))  # [b, tq, nh, tk]
+
+    if geom.log_scaling:
+        tau = log_scaling_tau(q_pos, cfg)  # [b, tq]
+        q = (q.astype(jnp.float32) * tau[:, :, None, None]).astype(dtype)
+        bias = (bias.astype(jnp.float32) * tau[:, :, None, None]).astype(dtype)
+
+    allowed = k_valid[:, None, :] & (dist >= 0)
+    if geom.window is not None:
+        allowed = allowed & (dist < geom.window)
+
+    qg = q.reshape(b, tq, nkv, group, hd)
+    scores = jnp.einsum("bqngd,bknd->bngqk", qg, k, preferred_element_type=jnp.float32) * (1.0 / hd)
+    scores = scores + bias.astype(jnp.float32).reshape(b, tq, nkv, group, -1).transpose(0, 2, 3, 1, 4)
+    mask = allowed[:, None, None, :, :]
+    scores = jnp.where(mask, scores, -jnp.inf)
+    any_valid = jnp.any(mask, axis=-1, keepdims=True)
+    scores = jnp.where(any_valid, scores, 0.0)
+    probs = jax.nn.softmax(scores, axis=-1)
+    probs = jnp.where(mask, probs, 0.0).astype(dtype)
+    out = jnp.einsum("bngqk,bknd->bqngd", probs, v, preferred_element_type=jnp.float32).astype(dtype)
+    return out.reshape(b, tq, nh, hd)
+
+
+def split_qkvr(p: Params, x: Array, geom: AttentionGeometry, cfg: InklingConfig) -> tuple[Array, Array, Array, Array]:
+    """The q / k / v / r projections, from a fused `wqkvr` [H, q|k|v|r] or separate weights."""
+    if "wqkvr" in p:
+        y = linear(x, p["wqkvr"])
+        qd, kd = geom.q_dim, geom.kv_dim
+        return y[..., :qd], y[..., qd:qd + kd], y[..., qd + kd:qd + 2 * kd], y[..., qd + 2 * kd:]
+    return linear(x, p["wq"]), linear(x, p["wk"]), linear(x, p["wv"]), linear(x, p["wr"])
+
+
+def attention_block(p: Params, cfg: InklingConfig, geom: AttentionGeometry, x: Array, ctx: LayerContext) -> Array:
+    """Projections, k/v short convs, q/k RMSNorm, attention through ctx, output projection."""
+    lead = x.shape[:-1]
+    q, k, v, r = split_qkvr(p, x, geom, cfg)
+    k = ctx.conv("k", k, p["k_conv"])
+    v = ctx.conv("v", v, p["v_conv"])
+    q = rms_norm(q.reshape(*lead, geom.num_heads, geom.head_dim), p["q_norm"], cfg.rms_norm_eps)
+    k = rms_norm(k.reshape(*lead, geom.num_kv_heads, geom.head_dim), p["k_norm"], cfg.rms_norm_eps)
+    v = v.reshape(*lead, geom.num_kv_heads, geom.head_dim)
+    r = r.reshape(*lead, geom.num_heads, cfg.d_rel)
+    o = ctx.attend(q, k, v, r, p["rel_proj"], geom)
+    return linear(o.reshape(*lead, geom.q_dim), p["wo"])
+
+
+# ------------------------------------------------------------------------------ MLPs
+
+
+def swiglu(x: Array, w13: Float[Array, "h two_i"], w2: Float[Array, "i h"]) -> Array:
+    """down(silu(gate) * up) with the gate | up halves of w13; SwiGLU in fp32."""
+    gu = jnp.matmul(x, w13.astype(x.dtype), preferred_element_type=jnp.float32)
+    half = gu.shape[-1] // 2
+    act = (jax.nn.silu(gu[..., :half]) * gu[..., half:]).astype(x.dtype)
+    return linear(act, w2)
+
+
+def dense_mlp(p: Params, cfg: InklingConfig, x: Array) -> Array:
+    out = swiglu(x, p["w13"], p["w2"])
+    if "global_scale" in p:
+        out = (out.astype(jnp.float32) * p["global_scale"].astype(jnp.float32)).astype(x.dtype)
+    return out
+
+
+def route(p: Params, cfg: InklingConfig, x: Float[Array, "n h"]) -> tuple[Array, Array, Array]:
+    """Inkling's router (fp32): returns (topk_idx [n,k], topk_weight [n,k], shared_gamma [n,S]).
+
+    Selection uses sigmoid (or softmax) scores of the routed experts plus the selection bias;
+    with norm_after_topk the weights renormalise over the selected routed experts *and* the
+    shared "sink" experts; everything is scaled by route_scale * global_scale."""
+    e, s, k = cfg.n_routed_experts, cfg.n_shared_experts, cfg.num_experts_per_tok
+    logits = jnp.matmul(x.astype(jnp.float32), p["router"].astype(jnp.float32))  # [n, e(+s)]
+    routed = logits[:, :e]
+    if cfg.gate_activation == "sigmoid":
+        scores = jax.nn.sigmoid(routed)
+    else:
+        scores = jax.nn.softmax(routed, axis=-1)
+    choice = scores + p["router_bias"].astype(jnp.float32) if "router_bias" in p else scores
+    _, idx = jax.lax.top_k(choice, k)
+    sel_logits = jnp.take_along_axis(routed, idx, axis=-1)
+    sink = cfg.shared_expert_sink and s > 0
+    if cfg.norm_after_topk:
+        a = jnp.concatenate([sel_logits, logits[:, e:e + s]], axis=-1) if sink else sel_logits
+        if cfg.gate_activation == "sigmoid":
+            ls = jax.nn.log_sigmoid(a)
+            w = jnp.exp(ls - jax.nn.logsumexp(ls, axis=-1, keepdims=True))
+        else:
+            w = jax.nn.softmax(a, axis=-1)
+    else:
+        w = jnp.take_along_axis(scores, idx, axis=-1)
+        sink = False
+    scale = cfg.route_scale
+    if "router_scale" in p:
+        w = w * scale * p["router_scale"].astype(jnp.float32)
+    else:
+        w = w * scale
+    gamma = w[:, k:] if sink else jnp.zeros((x.shape[0], 0), jnp.float32)
+    return idx, w[:, :k], gamma
+
+
+def moe_experts_dense(x: Float[Array, "n h"], idx: Array, weight: Array, w13: Array, w2: Array) -> Array:
+    """Routed experts by evaluating every expert and weighting (exact; cost ~ all experts)."""
+    n_exp = w13.shape[0]
+    gu = jnp.einsum("nh,ehf->enf", x, w13.astype(x.dtype), preferred_element_type=jnp.float32)
+    half = gu.shape[-1] // 2
+    act = (jax.nn.silu(gu[..., :half]) * gu[..., half:]).astype(x.dtype)
+    y = jnp.einsum("enf,efh->enh", act, w2.astype(x.dtype), preferred_element_type=jnp.float32)
+    combine = jnp.zeros((x.shape[0], n_exp), jnp.float32)
+    combine = combine.at[jnp.arange(x.shape[0])[:, None], idx].add(weight.astype(jnp.float32))
+    return jnp.einsum("ne,enh->nh", combine, y.astype(x.dtype).astype(jnp.float32)).astype(x.dtype)
+
+
+def moe_experts_gather(x: Float[Array, "n h"], idx: Array, weight: Array, w13: Array, w2: Array) -> Array:
+    """Routed experts by gathering each token's k expert matrices (reads only selected experts)."""
+    g13 = w13[idx].astype(x.dtype)  # [n, k, h, 2f]
+    gu = jnp.einsum("nh,nkhf->nkf", x, g13, preferred_element_type=jnp.float32)
+    half = gu.shape[-1] // 2
+    act = (jax.nn.silu(gu[..., :half]) * gu[..., half:]).astype(x.dtype)
+    y = jnp.einsum("nkf,nkfh->nkh", act, w2[idx].astype(x.dtype), preferred_element_type=jnp.float32)
+    y = y.astype(x.dtype).astype(jnp.float32)
+    return jnp.einsum("nk,nkh->nh", weight.astype(jnp.float32), y).astype(x.dtype)
+
+
+def moe_mlp(p: Params, cfg: InklingConfig, x: Array, experts_impl: str = "auto") -> Array:
+    """MoE: routed top-k experts plus shared experts (sink-weighted or plain)."""
+    lead = x.shape[:-1]
+    flat = x.reshape(-1, x.shape[-1])
+    idx, w, gamma = route(p, cfg, flat)
+    n = flat.shape[0]
+    if experts_impl == "auto":
+        experts_impl = "gather" if n * cfg.num_experts_per_tok <= cfg.n_routed_experts else "dense"
+    fn = moe_experts_gather if experts_impl == "gather" else moe_experts_dense
+    out = fn(flat, idx, w, p["w13"], p["w2"]).astype(jnp.float32)
+    if cfg.n_shared_experts > 0:
+        gu = jnp.einsum("nh,shf->snf", flat, p["shared_w13"].astype(flat.dtype), preferred_element_type=jnp.float32)
+        half = gu.shape[-1] // 2
+        act = jax.nn.silu(gu[..., :half]) * gu[..., half:]
+        if cfg.shared_expert_sink and cfg.norm_after_topk:
+            act = act * gamma.T[:, :, None]
+        act = act.astype(flat.dtype)
+        shared = jnp.einsum("snf,sfh->snh", act, p["shared_w2"].astype(flat.dtype), preferred_element_type=jnp.float32)
+        out = out + shared.astype(flat.dtype).astype(jnp.float32).sum(axis=0)
+    return out.astype(x.dtype).reshape(*lead, x.shape[-1])
+
+
+def mlp(p: Params, cfg: InklingConfig, dense: bool, x: Array) -> Array:
+    return dense_mlp(p, cfg, x) if dense else moe_mlp(p, cfg, x)
+
+
+# ----------------------------------------------------------------------- the layer
+
+
+def decoder_layer(
+    p: Params, cfg: InklingConfig, geom: AttentionGeometry, dense: bool, x: Array, ctx: LayerContext
+) -> Array:
+    """attn_norm -> attention -> attn_sconv -> +residual -> mlp_norm -> MLP -> mlp_sconv -> +residual."""
+    h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
+    a = attention_block(p["attn"], cfg, geom, h, ctx)
+    x = x + ctx.conv("attn", a, p["attn_conv"])
+    h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
+    m = mlp(p["mlp"], cfg, dense, h)
+    return x + ctx.conv("mlp", m, p["mlp_conv"])
+
+
+def embed(params: Params, cfg: InklingConfig, tokens: Array, dtype: Any) -> Array:
+    x = params["embed"][tokens].astype(dtype)
+    if cfg.use_embed_norm:
+        x = rms_norm(x, params["embed_norm"], cfg.rms_norm_eps)
+    return x
+
+
+def lm_head(params: Params, cfg: InklingConfig, h: Array) -> Float[Array, "... v"]:
+    """Logits (fp32) from final-normed hidden states: (h / mup) @ unembed, sliced to the real vocab."""
+    h = (h.astype(jnp.float32) / cfg.logits_mup_width_multiplier).astype(h.dtype)
+    logits = jnp.matmul(h, params["unembed"].astype(h.dtype), preferred_element_type=jnp.float32)
+    logits = logits[..., :cfg.unpadded_vocab_size]
+    if cfg.final_logit_softcapping is not None:
+        c = cfg.final_logit_softcapping
+        logits = c * jnp.tanh(logits / c)
+    return logits
+
+
+def param_count(params: Params) -> int:
+    return sum(math.prod(x.shape) for x in jax.tree_util.tree_leaves(params))

@@ -1,0 +1,79 @@
+"""Shared fixtures: tiny configs that between them cover Inkling's variants, and the HF
+transformers oracle built from them."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import numpy as np
+import pytest
+
+import inkling_jax as ik
+
+# Three tiny configs that between them exercise: full and sliding layers with sequences
+# longer than the window and rel_extent, log scaling active (small n_floor), dense and MoE
+# layers with top-k > 1 and the sink, and different full/SWA head counts.
+PARITY_CONFIGS = {
+    # the CPU preset: local 0,1,3 / full 2; window 8, rel_extent 16, n_floor 8; top-2 of 8 + 2 sink
+    "tiny": ik.InklingConfig.tiny(),
+    # more full heads than SWA heads, K=3, top-3 of 6 + 3 sink, dense layers not a prefix
+    "heads": ik.InklingConfig.tiny(
+        num_layers=5, num_heads=8, num_kv_heads=2, head_dim=8, swa_num_heads=4, swa_num_kv_heads=1,
+        swa_head_dim=16, local_layer_ids=(0, 2, 3), sliding_window=5, rel_extent=12, d_rel=3,
+        log_scaling_n_floor=4, log_scaling_alpha=0.3, conv_kernel_size=3, dense_layer_ids=(0, 3),
+        n_routed_experts=6, n_shared_experts=3, num_experts_per_tok=3, route_scale=2.5,
+        num_mtp_layers=2, mtp_local_layer_ids=()),
+    # HF's default layer pattern (local unless (i+1) % 6 == 0), top-1, no log scaling, K=5
+    "pattern": ik.InklingConfig.tiny(
+        num_layers=6, local_layer_ids=(0, 1, 2, 3, 4), sliding_window=6, rel_extent=10,
+        log_scaling_n_floor=None, conv_kernel_size=5, dense_layer_ids=(0, 1), num_experts_per_tok=1,
+        n_shared_experts=1, logits_mup_width_multiplier=2.0, num_mtp_layers=1, mtp_local_layer_ids=(0,)),
+}
+
+
+def hf_config(cfg: ik.InklingConfig):
+    from transformers.models.inkling import InklingConfig as HFConfig
+
+    d = cfg.to_hf()
+    return HFConfig(**{k: v for k, v in d.items() if k not in ("architectures", "model_type")})
+
+
+def hf_text_config(cfg: ik.InklingConfig):
+    from transformers.models.inkling import InklingTextConfig
+
+    d = dict(cfg.to_hf()["text_config"])
+    d.pop("model_type")
+    return InklingTextConfig(**d)
+
+
+def perturb_(model, seed: int = 0, head_std: float = 0.5) -> None:
+    """Make a freshly initialised HF model less degenerate: non-unit norms and scales, a
+    nonzero router selection bias, conv taps of order 0.3, a larger LM head so logits are O(1)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or "global_scale" in name:
+                p.add_(0.2 * torch.randn(p.shape, generator=g, dtype=p.dtype))
+            elif "sconv" in name:
+                p.copy_(0.3 * torch.randn(p.shape, generator=g, dtype=p.dtype))
+            elif name.endswith("lm_head.weight"):
+                p.copy_(head_std * torch.randn(p.shape, generator=g, dtype=p.dtype))
+        for name, b in model.named_buffers():
+            if "e_score_correction_bias" in name:
+                b.copy_(0.05 * torch.randn(b.shape, generator=g, dtype=b.dtype))
+
+
+@pytest.fixture(scope="session")
+def torch_threads():
+    import torch
+
+    torch.set_num_threads(2)
+    return torch
+
+
+def random_tokens(cfg: ik.InklingConfig, shape, seed: int = 0) -> np.ndarray:
+    return np.random.RandomState(seed).randint(0, cfg.unpadded_vocab_size, shape).astype(np.int32)

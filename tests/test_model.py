@@ -1,0 +1,143 @@
+"""Reference forward properties that need no oracle: bf16 vs fp32, gradients vs finite
+differences, causality, and the MTP chain semantics."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import inkling_jax as ik
+from inkling_jax.model import layers as L
+from conftest import random_tokens
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    cfg = ik.InklingConfig.tiny()
+    return cfg, ik.init_params(cfg, jax.random.key(0), std=0.1)
+
+
+@pytest.mark.parametrize("dense", [True, False])
+def test_bf16_close_to_fp32(dense):
+    """bf16 params and activations stay within bf16 tolerance of the fp32 logits.
+
+    Tolerance: 4 bf16 epsilons (2^-8 each) of the logit scale (1.6 %) at every position,
+    for a 4-layer stack at the default init scale. (At larger init scales the bf16 rounding of
+    a router input can flip a near-tied top-k choice: a discontinuity, not a precision loss.)"""
+    cfg = ik.InklingConfig.tiny()
+    if dense:
+        cfg = cfg.replace(dense_layer_ids=tuple(range(cfg.num_layers)))
+    params = ik.init_params(cfg, jax.random.key(0))
+    tokens = random_tokens(cfg, (2, 24))
+    ref = np.asarray(ik.forward(params, cfg, tokens))
+    low = np.asarray(ik.forward(ik.cast_params(params, jnp.bfloat16), cfg, tokens))
+    scale = np.abs(ref).max()
+    err = np.abs(low - ref).max()
+    assert err < 4 * 2.0 ** -8 * scale, (err, scale)
+    assert err > 0  # the bf16 path really ran in bf16
+    # and the leaves that must stay fp32 do
+    bf = ik.cast_params(params, jnp.bfloat16)
+    assert bf["layers"][0]["attn"]["k_conv"].dtype == jnp.float32
+    assert bf["layers"][0]["attn"]["wqkvr"].dtype == jnp.bfloat16
+
+
+def next_token_loss(params, cfg, tokens):
+    logits = ik.forward(params, cfg, tokens[:, :-1])
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    return -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1))
+
+
+def test_grad_matches_finite_difference(tiny):
+    """jax.grad of the next-token loss is finite everywhere, and for a few parameter tensors
+    its directional derivative along the tensor's own gradient direction u (= |g_leaf|)
+    equals a central finite difference (L(p + eps u) - L(p - eps u)) / 2 eps within 2 % + 1e-4
+    (f32, eps 3e-3: the loss roundoff over 2 eps is ~6e-5 absolute; eps 1e-2 can flip a
+    MoE top-k choice, a discontinuity the gradient cannot see)."""
+    cfg, params = tiny
+    tokens = jnp.asarray(random_tokens(cfg, (2, 20), seed=5))
+    loss = jax.jit(lambda p: next_token_loss(p, cfg, tokens))
+    grads = jax.jit(jax.grad(lambda p: next_token_loss(p, cfg, tokens)))(params)
+    assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree_util.tree_leaves(grads))
+    probes = [  # attention projection, k conv taps, branch conv, router, routed experts, relative bias, norm
+        ("layers", 2, "attn", "wqkvr"),
+        ("layers", 1, "attn", "k_conv"),
+        ("layers", 1, "attn_conv"),
+        ("layers", 2, "mlp", "router"),
+        ("layers", 3, "mlp", "w13"),
+        ("layers", 0, "attn", "rel_proj"),
+        ("final_norm",),
+    ]
+    eps = 3e-3
+    for path in probes:
+        g, leaf = grads, params
+        for k in path:
+            g, leaf = g[k], leaf[k]
+        norm = float(jnp.linalg.norm(g))
+        assert norm > 1e-6, f"{path}: gradient vanished"
+        u = g / norm
+        fd = (loss(_replace(params, path, leaf + eps * u)) - loss(_replace(params, path, leaf - eps * u))) / (2 * eps)
+        np.testing.assert_allclose(float(fd), norm, rtol=2e-2, atol=1e-4, err_msg=str(path))
+
+
+def _replace(tree, path, value):
+    if not path:
+        return value
+    head, rest = path[0], path[1:]
+    if isinstance(tree, list):
+        out = list(tree)
+        out[head] = _replace(tree[head], rest, value)
+        return out
+    return {**tree, head: _replace(tree[head], rest, value)}
+
+
+def test_causal(tiny):
+    """Changing token t changes no logit before t."""
+    cfg, params = tiny
+    tokens = random_tokens(cfg, (1, 20), seed=7)
+    changed = tokens.copy()
+    changed[0, 12] = (changed[0, 12] + 1) % cfg.unpadded_vocab_size
+    a, b = np.asarray(ik.forward(params, cfg, tokens)), np.asarray(ik.forward(params, cfg, changed))
+    np.testing.assert_array_equal(a[:, :12], b[:, :12])
+    assert np.abs(a[:, 12:] - b[:, 12:]).max() > 0
+
+
+def test_causal_conv_window_carries_state():
+    """Splitting a sequence and carrying the K-1 window gives the unsplit conv exactly."""
+    rng = np.random.RandomState(0)
+    x = jnp.asarray(rng.randn(2, 11, 6), jnp.float32)
+    w = jnp.asarray(rng.randn(4, 6), jnp.float32)
+    y, win = L.causal_conv(x, w)
+    y1, w1 = L.causal_conv(x[:, :2], w)  # shorter than K-1: old rows shift in
+    y2, w2 = L.causal_conv(x[:, 2:], w, w1)
+    np.testing.assert_array_equal(np.concatenate([y1, y2], 1), y)
+    np.testing.assert_array_equal(w2, win)
+    np.testing.assert_array_equal(win, x[:, -3:])
+
+
+def test_mtp_chain_semantics(tiny):
+    """Depth d at row j reads t_{j+d+1}: its logits at row j change with t_{j+d+1} and not
+    with any later token; tokens past the prompt are the previous predictor's greedy picks."""
+    cfg, params = tiny
+    tokens = random_tokens(cfg, (1, 12), seed=9)
+    hidden = ik.forward_hidden(params, cfg, tokens)
+    logits, hs = ik.mtp_forward(params, cfg, hidden, tokens)
+    assert logits.shape == (cfg.num_mtp_layers, 1, 12, cfg.unpadded_vocab_size)
+    assert hs.shape == (cfg.num_mtp_layers, 1, 12, cfg.hidden_size)
+    # changing t_9 (keeping the target hidden fixed): depth d rows j < 9 - d - 1 unchanged
+    changed = tokens.copy()
+    changed[0, 9] = (changed[0, 9] + 3) % cfg.unpadded_vocab_size
+    logits2, _ = ik.mtp_forward(params, cfg, hidden, changed)
+    for d in range(cfg.num_mtp_layers):
+        first = 9 - d - 1  # the row that reads t_9
+        np.testing.assert_array_equal(logits[d, :, :first], logits2[d, :, :first])
+        assert np.abs(logits[d, :, first] - logits2[d, :, first]).max() > 0
+
+    # the chain fill: depth 1 at row T-1 reads depth 0's greedy prediction at row T-1
+    target_next = int(jnp.argmax(ik.forward(params, cfg, tokens)[0, -1]))
+    d0_next = int(jnp.argmax(logits[0, 0, -1]))
+    ext = np.concatenate([tokens, [[target_next, d0_next]]], axis=1)
+    hidden_ext = jnp.concatenate([hidden, jnp.zeros((1, 2, cfg.hidden_size), hidden.dtype)], axis=1)
+    logits_ext, _ = ik.mtp_forward(params, cfg, hidden_ext, ext)
+    np.testing.assert_allclose(logits_ext[1, :, :12], logits[1], rtol=0, atol=1e-6)
