@@ -12,3 +12,7 @@ __version__ = "0.1.0"
 from .weights import load_checkpoint, load_pretrained, save_checkpoint, save_pretrained  # noqa: E402
 
 __all__ += ["load_pretrained", "save_pretrained", "save_checkpoint", "load_checkpoint"]
+
+from .engine import Completion, Engine, EngineConfig, SamplingParams  # noqa: E402
+
+__all__ += ["Engine", "EngineConfig", "SamplingParams", "Completion"]

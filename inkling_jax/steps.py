@@ -25,10 +25,10 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from .cache.conv_state import ConvMeta, conv_update
+from .cache.conv_state import ConvMeta
 from .cache.layout import ArenaLayout, LayerSlotFields
-from .cache.state import (ServingState, copy_slot_units, page_rows, read_field, slot_rows, translate_pages,
-                          translate_slots, write_field)
+from .cache.state import (ServingState, page_rows, read_field, slot_rows, translate_pages, translate_slots,
+                          write_field)
 from .config import AttentionGeometry, InklingConfig
 from .model import layers as L
 
@@ -77,6 +77,19 @@ class StepBatch:
     seed: Int[Array, "b"]  # per-request sampling seed (keys fold in the position)
 
 
+def check_batch(batch: StepBatch, shape: StepShape) -> None:
+    """Raise ValueError naming the first field whose shape does not fit the compiled bucket
+    (before anything is donated, so the state is untouched)."""
+    want = {"tokens": (shape.tokens,), "token_row": (shape.tokens,), "token_offset": (shape.tokens,),
+            "pages": (shape.batch, shape.pages)}
+    for name in StepBatch.__dataclass_fields__:
+        got = tuple(getattr(batch, name).shape)
+        expected = want.get(name, (shape.batch,))
+        if got != expected:
+            raise ValueError(f"StepBatch.{name} has shape {got}; the compiled {shape.mode} bucket takes {expected} "
+                             f"(batch {shape.batch}, tokens {shape.tokens}, pages {shape.pages})")
+
+
 @jax.tree_util.register_dataclass
 @dataclass
 class StepOutput:
@@ -92,16 +105,18 @@ class StepContext:
 
     Holds the arena being updated (functionally) while the layers are traced."""
 
-    def __init__(self, cfg: InklingConfig, layout: ArenaLayout, shape: StepShape, arena: Array,
+    def __init__(self, cfg: InklingConfig, layout: ArenaLayout, shape: StepShape, ops: Any, arena: Array,
                  batch: StepBatch, phys_slot: Array, phys_track: Array, phys_pages: Array):
-        self.cfg, self.layout, self.shape = cfg, layout, shape
+        self.cfg, self.layout, self.shape, self.ops = cfg, layout, shape, ops
         self.arena = arena
         self.batch = batch
         self.phys_pages = phys_pages
         self.positions = batch.seq_start[batch.token_row] + batch.token_offset  # [T]
         valid_rows = batch.num_new > 0
+        t = batch.tokens.shape[0]
+        self.row_tokens = jnp.clip(batch.query_start[:, None] + jnp.arange(shape.query)[None, :], 0, t - 1)
         self.conv_meta = ConvMeta(
-            token_row=batch.token_row, token_offset=batch.token_offset, query_start=batch.query_start,
+            token_row=batch.token_row, token_offset=batch.token_offset, row_tokens=self.row_tokens,
             has_state=batch.has_state, commit_len=batch.num_new, active=phys_slot,
             track_dest=jnp.where((batch.track_len > 0) & valid_rows, phys_track, 0),
             track_len=batch.track_len)
@@ -122,8 +137,8 @@ class StepContext:
         return start, start + width
 
     def conv(self, stream: str, x: Array, weight: Array) -> Array:
-        y, self.arena = conv_update(self.arena, self.layout, self.fields.conv, self._channels(stream, x.shape[-1]),
-                                    x, weight, self.conv_meta)
+        y, self.arena = self.ops.conv_update(self.arena, self.layout, self.fields.conv,
+                                             self._channels(stream, x.shape[-1]), x, weight, self.conv_meta)
         return y
 
     # -- attention
@@ -133,7 +148,7 @@ class StepContext:
         batch = self.batch
         t = q.shape[0]
         # packed [T, ...] -> per-row padded [B, Q, ...]
-        q_idx = jnp.clip(batch.query_start[:, None] + jnp.arange(qn), 0, t - 1)
+        q_idx = self.row_tokens
         q_valid = jnp.arange(qn)[None, :] < batch.num_new[:, None]
         q_pos = batch.seq_start[:, None] + jnp.arange(qn)[None, :]
         qp, kp, vp, rp = q[q_idx], k[q_idx], v[q_idx], r[q_idx]
@@ -246,16 +261,20 @@ def sample_tokens(logits: Float[Array, "b v"], temperature: Array, top_k: Array,
 
 
 def run_step(params: Params, state: ServingState, batch: StepBatch, *, cfg: InklingConfig, layout: ArenaLayout,
-             shape: StepShape) -> tuple[StepOutput, ServingState]:
-    """One serving step (not jitted; `compile_step` wraps it)."""
+             shape: StepShape, use_pallas: bool = False, interpret: bool = False) -> tuple[StepOutput, ServingState]:
+    """One serving step (not jitted; `compile_step` wraps it). use_pallas picks the Pallas
+    conv-state kernels (interpret=True runs them in interpret mode, for CPU tests)."""
+    from pallas_kernels import conv_ops
+
+    ops = conv_ops(use_pallas, interpret)
     dtype = params["unembed"].dtype
     phys_slot = translate_slots(state, batch.slot)
     phys_track = translate_slots(state, batch.track_slot)
     phys_pages = translate_pages(state, batch.pages)
     phys_cow = translate_slots(state, batch.cow_src)
-    arena = copy_slot_units(state.arena, layout, phys_cow, jnp.where(phys_cow > 0, phys_slot, 0))
+    arena = ops.copy_slot_units(state.arena, layout, phys_cow, jnp.where(phys_cow > 0, phys_slot, 0))
 
-    ctx = StepContext(cfg, layout, shape, arena, batch, phys_slot, phys_track, phys_pages)
+    ctx = StepContext(cfg, layout, shape, ops, arena, batch, phys_slot, phys_track, phys_pages)
     x = L.embed(params, cfg, batch.tokens, dtype)
     for i, p in enumerate(params["layers"]):
         ctx.bind(layout.target[i], layout.target_page_layer[i])
@@ -268,6 +287,8 @@ def run_step(params: Params, state: ServingState, batch: StepBatch, *, cfg: Inkl
     return StepOutput(tokens, logprobs), state.replace(arena=ctx.arena)
 
 
-def compile_step(cfg: InklingConfig, layout: ArenaLayout, shape: StepShape):
+def compile_step(cfg: InklingConfig, layout: ArenaLayout, shape: StepShape, use_pallas: bool = False,
+                 interpret: bool = False):
     """The jitted step for one (mode, bucket); the state argument is donated."""
-    return jax.jit(partial(run_step, cfg=cfg, layout=layout, shape=shape), donate_argnums=(1,))
+    return jax.jit(partial(run_step, cfg=cfg, layout=layout, shape=shape, use_pallas=use_pallas, interpret=interpret),
+                   donate_argnums=(1,))

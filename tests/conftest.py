@@ -77,3 +77,54 @@ def torch_threads():
 
 def random_tokens(cfg: ik.InklingConfig, shape, seed: int = 0) -> np.ndarray:
     return np.random.RandomState(seed).randint(0, cfg.unpadded_vocab_size, shape).astype(np.int32)
+
+
+# ------------------------------------------------------------------ engine fixtures
+
+# The trunk of the tiny preset (no MTP tensors): what HF's save_pretrained round-trips, so
+# engine tests and the HF generate test share compiled steps.
+TRUNK = ik.InklingConfig.tiny(num_mtp_layers=0, mtp_local_layer_ids=())
+
+# One pool geometry shared by most engine tests (compiled steps are cached process-wide by
+# shape): tiny pages and a short checkpoint interval so windows, rel_extent, pages and
+# checkpoints are all crossed by short sequences.
+ENGINE_KW = dict(max_running=2, num_slots=16, num_pages=64, page_size=4, track_interval=8, chunk_size=8,
+                 max_step_tokens=16, min_context_bucket=64, min_batch_bucket=2)
+
+
+@pytest.fixture(scope="session")
+def trunk_params():
+    import jax
+
+    return ik.init_params(TRUNK, jax.random.key(0), std=0.1)
+
+
+def make_engine(params, cfg=None, **overrides):
+    return ik.Engine(cfg or TRUNK, params, ik.EngineConfig(**{**ENGINE_KW, **overrides}))
+
+
+_FORWARD = {}
+
+
+def reference_forward(params, cfg, tokens):
+    """Jitted reference logits for one sequence, padded to a multiple of 64 tokens (the
+    model is causal, so trailing padding changes nothing before it): one compile per size."""
+    import jax
+
+    n = len(tokens)
+    size = -(-n // 64) * 64
+    fn = _FORWARD.get(cfg)
+    if fn is None:
+        fn = _FORWARD[cfg] = jax.jit(lambda p, t: ik.forward(p, cfg, t))
+    padded = np.zeros((1, size), np.int32)
+    padded[0, :n] = tokens
+    return np.asarray(fn(params, padded))[0, :n]
+
+
+def reference_logprobs(params, cfg, prompt, generated):
+    """log p(generated[i] | prompt + generated[:i]) from the reference forward, and its greedy picks."""
+    logits = reference_forward(params, cfg, list(prompt) + list(generated))
+    logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
+        - logits.max(-1, keepdims=True)
+    n = len(prompt)
+    return np.array([logp[n - 1 + i, t] for i, t in enumerate(generated)]), logp[n - 1:-1].argmax(-1)

@@ -35,7 +35,7 @@ class ConvMeta:
 
     token_row: Int[Array, "t"]  # request row of each packed token
     token_offset: Int[Array, "t"]  # index of the token among its row's new tokens
-    query_start: Int[Array, "b"]  # packed index of each row's first new token
+    row_tokens: Int[Array, "b q"]  # packed index of each row's i-th new token (clipped in range)
     has_state: Bool[Array, "b"]  # the slot holds the window before the first new token
     commit_len: Int[Array, "b"]  # new tokens that enter the active window (0: leave it)
     active: Int[Array, "b"]  # physical slot (the sink for padded rows)
@@ -43,36 +43,31 @@ class ConvMeta:
     track_len: Int[Array, "b"]  # new tokens before the checkpoint position
 
 
+def padded_inputs(x: Float[Array, "t c"], window: Float[Array, "b km1 c"], meta: ConvMeta) -> Array:
+    """[B, K-1+Q, C]: each row's old window (zeros without state) followed by its new tokens."""
+    window = jnp.where(meta.has_state[:, None, None], window, jnp.zeros((), window.dtype)).astype(x.dtype)
+    return jnp.concatenate([window, x[meta.row_tokens]], axis=1)
+
+
 def conv_tokens(x: Float[Array, "t c"], weight: Float[Array, "k c"], window: Float[Array, "b km1 c"],
                 meta: ConvMeta) -> Float[Array, "t c"]:
     """y[t] = x[t] + sum_i w[i] * input(t - (K-1) + i), inputs before the row's first new
     token taken from its window (zeros without state)."""
     k = weight.shape[0]
-    t = x.shape[0]
-    window = jnp.where(meta.has_state[:, None, None], window, jnp.zeros((), window.dtype)).astype(x.dtype)
-    rows = jnp.arange(t)
-    taps = []
-    for i in range(k):
-        rel = meta.token_offset - (k - 1) + i  # offset of the tap among the row's new tokens
-        from_x = x[jnp.clip(rows - (k - 1) + i, 0, t - 1)]
-        from_w = window[meta.token_row, jnp.clip(k - 1 + rel, 0, k - 2)]
-        taps.append(jnp.where((rel >= 0)[:, None], from_x, from_w))
-    return conv_from_taps(x, jnp.stack(taps, axis=1), weight)
+    q = meta.row_tokens.shape[1]
+    xpad = padded_inputs(x, window, meta)
+    taps = jnp.stack([xpad[:, i:i + q] for i in range(k)], axis=2)  # [B, Q, K, C]
+    y = conv_from_taps(xpad[:, k - 1:], taps, weight)
+    return y[meta.token_row, meta.token_offset]
 
 
 def window_after(x: Float[Array, "t c"], window: Float[Array, "b km1 c"], meta: ConvMeta,
                  n: Int[Array, "b"]) -> Float[Array, "b km1 c"]:
     """The last K-1 inputs of [window ++ first n new tokens] for every row."""
     km1 = window.shape[1]
-    t = x.shape[0]
-    window = jnp.where(meta.has_state[:, None, None], window, jnp.zeros((), window.dtype))
-    rows = []
-    for j in range(km1):
-        e = n - km1 + j  # offset among new tokens; negative: a row of the old window
-        from_x = x[jnp.clip(meta.query_start + e, 0, t - 1)]
-        from_w = window[jnp.arange(window.shape[0]), jnp.clip(km1 + e, 0, km1 - 1)]
-        rows.append(jnp.where((e >= 0)[:, None], from_x.astype(window.dtype), from_w))
-    return jnp.stack(rows, axis=1)
+    xpad = padded_inputs(x, window, meta)
+    idx = jnp.clip(n, 0, xpad.shape[1] - km1)[:, None] + jnp.arange(km1)[None, :]  # rows n .. n+K-2 of xpad
+    return jnp.take_along_axis(xpad, idx[:, :, None], axis=1).astype(window.dtype)
 
 
 def conv_write(arena: Array, layout: ArenaLayout, f: Field, channels: tuple[int, int], x: Float[Array, "t c"],

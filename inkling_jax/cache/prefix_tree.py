@@ -1,0 +1,204 @@
+"""Radix tree over token ids: cached full-attention pages and conv-state checkpoints.
+
+Edges hold whole pages of tokens. A node owns the pages of its edge and, when a checkpoint
+was inserted at its depth, one checkpoint slot: the request state (conv windows, sliding
+K/V ring, draft state) after exactly `depth` tokens. K/V alone cannot resume a conv model,
+so a match reports the deepest node *with a checkpoint*; the request then restores that
+slot into its own slot (copy-on-write inside its first step) and reads the path's pages.
+
+All ids are virtual. Nodes on a path in use are locked (`lock_ref`); eviction removes
+unlocked leaves in LRU order and returns their pages and slot to the caller.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+
+@dataclass(eq=False)
+class Node:
+    tokens: tuple[int, ...]  # edge label, a whole number of pages
+    pages: list[int]  # virtual page ids of the edge, one per page_size tokens
+    parent: "Node | None"
+    depth: int  # tokens from the root to the end of this node
+    children: dict[tuple[int, ...], "Node"] = field(default_factory=dict)
+    checkpoint: int | None = None  # virtual slot holding the state at `depth`
+    lock_ref: int = 0
+    last_used: int = 0
+
+
+@dataclass
+class Match:
+    node: Node  # deepest node with a checkpoint (the root when none)
+    depth: int  # cached tokens usable by the request (0 when none)
+    pages: list[int]  # pages covering [0, depth)
+
+
+class PrefixTree:
+    def __init__(self, page_size: int):
+        self.page_size = page_size
+        self.root = Node((), [], None, 0)
+        self._clock = itertools.count(1)
+
+    # ----------------------------------------------------------------- queries
+
+    def _key(self, tokens) -> tuple[int, ...]:
+        return tuple(tokens[: self.page_size])
+
+    def match(self, tokens: list[int], max_depth: int) -> Match:
+        """Deepest checkpointed prefix of `tokens` no longer than max_depth."""
+        ps = self.page_size
+        node, pages, best = self.root, [], Match(self.root, 0, [])
+        pos = 0
+        while True:
+            child = node.children.get(self._key(tokens[pos:]))
+            if child is None:
+                break
+            n = _common_pages(child.tokens, tokens[pos:], ps)
+            if n * ps < len(child.tokens):
+                break  # diverges (or ends) inside the edge: no checkpoint beyond here
+            pages = pages + child.pages
+            pos += len(child.tokens)
+            node = child
+            if node.checkpoint is not None and node.depth <= max_depth:
+                best = Match(node, node.depth, list(pages))
+            if pos > max_depth:
+                break
+        return best
+
+    def lock(self, node: Node) -> None:
+        t = next(self._clock)
+        while node is not None:
+            node.lock_ref += 1
+            node.last_used = t
+            node = node.parent
+
+    def unlock(self, node: Node) -> None:
+        while node is not None:
+            assert node.lock_ref > 0, "prefix tree: unlock of an unlocked node"
+            node.lock_ref -= 1
+            node = node.parent
+
+    # ------------------------------------------------------------------ insert
+
+    def insert(self, tokens: list[int], pages: list[int], checkpoint: int | None) -> tuple[list[int], list[int], Node]:
+        """Insert tokens[:len(pages) * page_size] with their pages and a checkpoint at the end.
+
+        The tree takes ownership of what it did not have; returns (pages, slots) the
+        caller still owns and must free (duplicates of cached pages, a redundant checkpoint),
+        and the node at the end of the inserted prefix."""
+        ps = self.page_size
+        tokens = list(tokens[: len(pages) * ps])
+        assert len(tokens) == len(pages) * ps, "insert: tokens must cover the pages exactly"
+        node, pos, dup_pages = self.root, 0, []
+        t = next(self._clock)
+        while pos < len(tokens):
+            key = self._key(tokens[pos:])
+            child = node.children.get(key)
+            if child is None:
+                new = Node(tuple(tokens[pos:]), list(pages[pos // ps:]), node, len(tokens))
+                node.children[key] = new
+                node = new
+                pos = len(tokens)
+                break
+            n = _common_pages(child.tokens, tokens[pos:], ps)
+            if n * ps < len(child.tokens):
+                child = self._split(child, n)
+            dup_pages += pages[pos // ps: pos // ps + len(child.pages)]
+            pos += len(child.tokens)
+            node = child
+            node.last_used = t
+        node.last_used = t
+        dup_slots = []
+        if checkpoint is not None:
+            if node.checkpoint is None and node is not self.root:
+                node.checkpoint = checkpoint
+            else:
+                dup_slots.append(checkpoint)
+        return dup_pages, dup_slots, node
+
+    def _split(self, node: Node, n_pages: int) -> Node:
+        """Cut `node`'s edge after n_pages pages; returns the new upper node."""
+        ps = self.page_size
+        cut = n_pages * ps
+        upper = Node(node.tokens[:cut], node.pages[:n_pages], node.parent, node.depth - len(node.tokens) + cut,
+                     lock_ref=node.lock_ref, last_used=node.last_used)
+        node.parent.children[self._key(node.tokens)] = upper
+        node.tokens, node.pages, node.parent = node.tokens[cut:], node.pages[n_pages:], upper
+        upper.children[self._key(node.tokens)] = node
+        return upper
+
+    # ---------------------------------------------------------------- eviction
+
+    def evict(self, need_slots: int = 0, need_pages: int = 0) -> tuple[list[int], list[int]]:
+        """Remove unlocked leaves, least recently used first, until the freed slots and pages
+        cover the need (or nothing is evictable). Returns (pages, slots) to free."""
+        freed_pages, freed_slots = [], []
+        while len(freed_slots) < need_slots or len(freed_pages) < need_pages:
+            leaves = [n for n in self._nodes() if not n.children and n.lock_ref == 0 and n is not self.root]
+            if not leaves:
+                break
+            victim = min(leaves, key=lambda n: n.last_used)
+            freed_pages += victim.pages
+            if victim.checkpoint is not None:
+                freed_slots.append(victim.checkpoint)
+            del victim.parent.children[self._key(victim.tokens)]
+            self._merge_up(victim.parent)
+        return freed_pages, freed_slots
+
+    def _merge_up(self, node: Node) -> None:
+        """A checkpoint-less, unlocked node left with one child merges into it."""
+        if node is self.root or node.checkpoint is not None or len(node.children) != 1 or node.lock_ref:
+            return
+        (child,) = node.children.values()
+        child.tokens = node.tokens + child.tokens
+        child.pages = node.pages + child.pages
+        child.parent = node.parent
+        node.parent.children[self._key(node.tokens)] = child
+
+    def evictable(self) -> tuple[int, int]:
+        """(slots, pages) that eviction could free now (unlocked subtrees)."""
+        slots = pages = 0
+        for n in self._nodes():
+            if n is not self.root and n.lock_ref == 0:
+                slots += n.checkpoint is not None
+                pages += len(n.pages)
+        return slots, pages
+
+    # ---------------------------------------------------------------- accounting
+
+    def _nodes(self):
+        stack = [self.root]
+        while stack:
+            n = stack.pop()
+            yield n
+            stack.extend(n.children.values())
+
+    def owned(self) -> tuple[list[int], list[int]]:
+        """(slots, pages) the tree owns."""
+        slots, pages = [], []
+        for n in self._nodes():
+            if n.checkpoint is not None:
+                slots.append(n.checkpoint)
+            pages += n.pages
+        return slots, pages
+
+    def check(self) -> None:
+        for n in self._nodes():
+            if n is self.root:
+                continue
+            assert len(n.tokens) == len(n.pages) * self.page_size, "node tokens and pages disagree"
+            assert n.depth == n.parent.depth + len(n.tokens), "node depth wrong"
+            assert n.parent.children.get(self._key(n.tokens)) is n, "parent link broken"
+            assert n.lock_ref >= 0
+            assert n.children or n.checkpoint is not None or n.lock_ref > 0, "leaf without a checkpoint"
+
+
+def _common_pages(a, b, page_size: int) -> int:
+    """Number of leading whole pages on which token sequences a and b agree."""
+    n = min(len(a), len(b)) // page_size
+    for i in range(n):
+        if tuple(a[i * page_size:(i + 1) * page_size]) != tuple(b[i * page_size:(i + 1) * page_size]):
+            return i
+    return n

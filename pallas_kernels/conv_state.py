@@ -1,0 +1,376 @@
+"""Pallas kernels for the short-conv state on the arena: fused conv + window writes.
+
+Mirrors `inkling_jax/cache/conv_state.py` (the reference; read its docstrings for the
+semantics) with the same signatures plus `interpret`:
+
+    conv_update(arena, layout, f, channels, x, weight, meta) -> (y, arena)
+    conv_write(arena, layout, f, channels, x, window, meta) -> arena
+
+Both update the arena in place (`input_output_aliases`; donate the arena to the enclosing
+jit), have a `jax.custom_vjp` whose backward is the reference's VJP, and run on CPU with
+`interpret=True`.
+
+Addressing. The arena `[U, E]` is viewed as `[U * E / g, g]` for a power-of-two granule g
+that divides E, the field width C, the stream offset c0 and the stream width W. Window row
+r, channel c of physical slot s is then granule row
+
+    s * slot_units * E/g + f.unit_offset * E/g + (r * C + c0) / g + (c - c0) / g
+
+so a program loads a contiguous `[nb, g]` block (nb * g channels, a power of two) with
+int32 row indices, also where a window row straddles a unit boundary. Offsets are 64-bit in
+the Triton lowering once the arena passes 4 GiB; only the granule row index must fit int32.
+
+Semantics mirrored, per row b: the padded inputs are [old window (zeros without state) ++
+x[row_tokens[b]]] (in x's dtype); token t's output is the conv of row token_row[t] at new-token
+index token_offset[t] (jnp gather rules: a negative index wraps, then indices clamp); the
+windows written are rows n .. n+K-2 of the padded inputs (NaN past its end, as the
+reference's take_along_axis "fill" mode gives), cast to the window's then the arena's dtype.
+The fp32 accumulation is the reference's: acc = fma(tap_i, w_i, acc) from zero, i = 0..K-1,
+then x + acc (see `_common.conv_combine`).
+
+Work split (one flat grid of max(T, B) programs x channel blocks):
+
+* program p < B does row p's state: it loads the row's old window (zeros without state) once,
+  computes y for the row's first K-1 new tokens (the only tokens that read the window: token
+  row_tokens[b, j], j < K-1, when its token_row / token_offset say it is (b, j)), then writes
+  the active window (commit_len != 0) and the checkpoint window;
+* program p < T computes y[p] for every other token (token_offset >= K-1: from x alone).
+
+Decode (T == B, Q == 1) is thus one program per row that reads its window once and writes
+y, the active window and the checkpoint in one pass: the fused decode kernel, without a
+separate dispatch. Extend (and any other T, B, Q) uses the same kernel.
+
+Deviations from the reference, all confined to state that never matters:
+
+* the sink (physical slot 0) is never written: writes aimed at it (padded rows, rows that
+  do not checkpoint) are skipped, and its contents are left as they were. The reference
+  writes it, in an unspecified order where several rows aim at it.
+* only the stream's channel range [c0, c1) of a field is written; the reference rewrites the
+  whole field and so also zeroes the field's padding tail in the last unit. That tail is
+  zero in any arena built by the library (`init_state` zeros it, every field write keeps it
+  zero, slot copies move whole units).
+
+Preconditions (true for every batch the step builds; the kernel does not check them):
+
+* physical slots written in one call (active slots of rows with commit_len != 0, nonzero
+  checkpoint slots) are pairwise distinct and are not another row's active slot;
+* a token that is not its row's j-th new token for j < K-1 reads no window of a row whose
+  window is written in the same call: padding tokens point at padded rows (sink slot), as
+  steps.py packs them, or have token_offset >= K-1. (A padding token aimed at a real row
+  with token_offset < K-1 would race with that row's window write: its y, which nothing
+  reads, could differ from the reference's.)
+
+Fallback to the reference (never a silently different result): K < 2, a field that is not
+`[K-1, C]`, a stream width other than c1 - c0, empty batches, or an arena whose granule row
+count reaches 2^31 (more than 2^31 * g elements).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+from jaxtyping import Array, Float
+
+from inkling_jax.cache import conv_state as ref
+from inkling_jax.cache.conv_state import ConvMeta
+from inkling_jax.cache.layout import ArenaLayout, Field
+
+from ._common import INT32_MAX, conv_combine, pallas_call, pow2_factor, pow2_floor, with_ref_vjp
+
+MAX_BLOCK = 1024  # channels per program at most
+MIN_BLOCK = 256  # channels per program at least (when the stream is that wide)
+TARGET_PROGRAMS = 512  # shrink blocks (down to MIN_BLOCK) until the grid has about this many
+
+
+@dataclass(frozen=True)
+class ConvPlan:
+    """Static addressing of one stream of one conv field (see the module docstring)."""
+
+    km1: int  # window rows
+    granule: int  # g: elements per granule row of the arena view
+    nb: int  # granules per channel block (a program handles nb * g channels)
+    nblocks: int  # channel blocks per stream
+    row_stride: int  # C / g: granules between consecutive window rows
+    chan0: int  # c0 / g
+    field0: int  # f.unit_offset * E / g
+    slot_stride: int  # slot_units * E / g
+    num_warps: int
+
+    @property
+    def block(self) -> int:
+        return self.nb * self.granule
+
+
+def conv_plan(arena_shape: tuple[int, ...], layout: ArenaLayout, f: Field, channels: tuple[int, int], width: int,
+              k: int, programs: int) -> ConvPlan | None:
+    """The kernel's addressing for this stream, or None when the config needs the reference."""
+    if len(arena_shape) != 2 or len(f.shape) != 2:
+        return None
+    num_units, e = arena_shape
+    km1, c = f.shape
+    c0, c1 = channels
+    if e != layout.unit_elems or k < 2 or km1 != k - 1 or width != c1 - c0 or not 0 <= c0 < c1 <= c:
+        return None
+    if programs <= 0:
+        return None
+    g = pow2_factor(math.gcd(e, c, width, c0))
+    block = min(pow2_factor(width), MAX_BLOCK, max(MIN_BLOCK, pow2_floor(width * programs // TARGET_PROGRAMS)))
+    g = min(g, block)
+    if num_units * (e // g) > INT32_MAX:
+        return None
+    return ConvPlan(km1=km1, granule=g, nb=block // g, nblocks=width // block, row_stride=c // g, chan0=c0 // g,
+                    field0=f.unit_offset * e // g, slot_stride=layout.slot_units * e // g,
+                    num_warps=max(1, min(8, block // 256)))
+
+
+def _masked_load(view, cond, shape, dtype):
+    """view's block where cond (a scalar) holds, else zeros; no memory traffic when not."""
+    return plt.load(view, mask=jnp.broadcast_to(cond, shape), other=jnp.zeros((), dtype))
+
+
+def _when(static_true: bool, cond):
+    """pl.when, dropped where the condition is statically true."""
+    return (lambda fn: fn()) if static_true else pl.when(cond)
+
+
+def _index(i, size: int):
+    """What jnp's gather does with index i into an axis of `size`: negative wraps, then clamps."""
+    return jnp.clip(jnp.where(i < 0, i + size, i), 0, size - 1)
+
+
+def _select_row(rows: list, idx):
+    """rows[idx] for a traced idx in [0, len(rows))."""
+    out = rows[0]
+    for r in range(1, len(rows)):
+        out = jnp.where(idx == r, rows[r], out)
+    return out
+
+
+def _window_after(plan: ConvPlan, old_x: list, x_of, n, q: int, x_dtype, win_dtype, arena_dtype) -> list:
+    """`ref.window_after` for one row and channel block: the K-1 rows to store.
+
+    Row r is row m = n + r of the row's padded inputs [old window ++ new tokens] (length
+    K-1+Q, in x's dtype); take_along_axis's "fill" mode gives NaN outside it."""
+    km1 = plan.km1
+    size = km1 + q
+    out = []
+    for r in range(km1):
+        m = n + r
+        m = jnp.where(m < 0, m + size, m)
+        v = jnp.where(m < km1, _select_row(old_x, jnp.clip(m, 0, km1 - 1)), x_of(jnp.clip(m - km1, 0, q - 1)))
+        v = jnp.where((m >= 0) & (m < size), v, jnp.full((), jnp.nan, x_dtype))
+        out.append(v.astype(win_dtype).astype(arena_dtype))
+    return out
+
+
+def _store_window(plan: ConvPlan, arena_out, base, rows: list) -> None:
+    for r, v in enumerate(rows):
+        arena_out[pl.ds(base + r * plan.row_stride, plan.nb), :] = v
+
+
+def _split_pid(plan: ConvPlan):
+    pid = pl.program_id(0)
+    if plan.nblocks == 1:
+        return pid, 0
+    return pid // plan.nblocks, pid % plan.nblocks
+
+
+# ----------------------------------------------------------------------------- conv_update
+
+
+def _update_kernel(plan: ConvPlan, num_tokens: int, num_rows: int, q: int, k: int, x_dtype, arena_dtype,
+                   interpret: bool):
+    km1, nb, g = plan.km1, plan.nb, plan.granule
+    blk = (nb, g)
+
+    def kernel(tok_row, tok_off, row_tok, has_state, commit, active, t_dest, t_len, x_ref, w_ref, arena_in,
+               y_ref, arena_out):
+        p, cb = _split_pid(plan)
+        cblk = pl.ds(cb * nb, nb)
+
+        def x_of(b, j):  # x[row_tokens[b, j]]: row b's j-th new token
+            return x_ref[_index(row_tok[b, j], num_tokens), cblk, :]
+
+        def weights():
+            return [w_ref[i, cblk, :] for i in range(k)]
+
+        def slot_base(slot):
+            return slot * plan.slot_stride + plan.field0 + plan.chan0 + cb * nb
+
+        @_when(num_rows >= num_tokens, p < num_rows)
+        def _row():
+            b = p
+            slot = active[b]
+            hs = has_state[b] != 0
+            base = slot_base(slot)
+            old = [_masked_load(arena_in.at[pl.ds(base + r * plan.row_stride, nb), :], hs, blk, arena_dtype)
+                   for r in range(km1)]
+            old_x = [o.astype(x_dtype) for o in old]
+            w = weights()
+            # y of the row's first K-1 new tokens: the tokens that read this window
+            for j in range(min(km1, q)):
+                t = _index(row_tok[b, j], num_tokens)
+                owned = (_index(tok_row[t], num_rows) == b) & (_index(tok_off[t], q) == j)
+
+                @pl.when(owned)
+                def _(j=j, t=t):
+                    taps = [old_x[j + i] if j + i < km1 else x_of(b, j + i - km1) for i in range(k)]
+                    y_ref[t, cblk, :] = conv_combine(x_of(b, j), taps, w, interpret)
+
+            n = commit[b]
+
+            @pl.when((n != 0) & (slot != 0))
+            def _():
+                _store_window(plan, arena_out, base,
+                              _window_after(plan, old_x, lambda j: x_of(b, j), n, q, x_dtype, arena_dtype,
+                                            arena_dtype))
+
+            dest = t_dest[b]
+
+            @pl.when(dest != 0)
+            def _():
+                _store_window(plan, arena_out, slot_base(dest),
+                              _window_after(plan, old_x, lambda j: x_of(b, j), t_len[b], q, x_dtype, arena_dtype,
+                                            arena_dtype))
+
+        @_when(num_tokens >= num_rows, p < num_tokens)
+        def _token():
+            t = p
+            b = _index(tok_row[t], num_rows)
+            j = _index(tok_off[t], q)
+            owned = (j < km1) & (_index(row_tok[b, j], num_tokens) == t)
+
+            @pl.when(jnp.logical_not(owned))
+            def _():
+                hs = has_state[b] != 0
+                base = slot_base(active[b])
+                taps = []
+                for i in range(k):
+                    m = j + i  # row of the padded inputs [old window ++ new tokens]
+                    from_x = x_of(b, jnp.clip(m - km1, 0, q - 1))
+                    from_w = _masked_load(arena_in.at[pl.ds(base + jnp.minimum(m, km1 - 1) * plan.row_stride, nb), :],
+                                          (m < km1) & hs, blk, arena_dtype)
+                    taps.append(jnp.where(m < km1, from_w.astype(x_dtype), from_x))
+                y_ref[t, cblk, :] = conv_combine(x_of(b, j), taps, weights(), interpret)
+
+    return kernel
+
+
+def _meta_arrays(meta: ConvMeta) -> list[Array]:
+    return [jnp.asarray(a).astype(jnp.int32) for a in (
+        meta.token_row, meta.token_offset, meta.row_tokens, meta.has_state, meta.commit_len, meta.active,
+        meta.track_dest, meta.track_len)]
+
+
+def _update_pallas(plan: ConvPlan, arena, x, weight, meta: ConvMeta, interpret: bool):
+    num_tokens, width = x.shape
+    num_rows, q = meta.row_tokens.shape
+    k = weight.shape[0]
+    g = plan.granule
+    programs = max(num_tokens, num_rows) * plan.nblocks
+    arena2 = arena.reshape(-1, g)
+    args = _meta_arrays(meta) + [x.reshape(num_tokens, width // g, g), weight.reshape(k, width // g, g), arena2]
+    y, arena2 = pallas_call(
+        _update_kernel(plan, num_tokens, num_rows, q, k, x.dtype, arena.dtype, interpret),
+        out_shape=(jax.ShapeDtypeStruct((num_tokens, width // g, g), x.dtype),
+                   jax.ShapeDtypeStruct(arena2.shape, arena2.dtype)),
+        grid=(programs,), aliases={len(args) - 1: 1}, interpret=interpret, num_warps=plan.num_warps,
+        name="conv_update")(*args)
+    return y.reshape(num_tokens, width), arena2.reshape(arena.shape)
+
+
+def conv_update(arena: Array, layout: ArenaLayout, f: Field, channels: tuple[int, int], x: Float[Array, "t c"],
+                weight: Float[Array, "k c"], meta: ConvMeta, *,
+                interpret: bool = False) -> tuple[Float[Array, "t c"], Array]:
+    """Fused conv + active / checkpoint window writes for one stream (extend and decode).
+
+    Same contract and result as `inkling_jax.cache.conv_state.conv_update` (see the module
+    docstring for the sink and padding-tail deviations and the preconditions)."""
+    num_tokens = x.shape[0]
+    num_rows, q = meta.row_tokens.shape
+    ok_shapes = x.ndim == 2 and weight.ndim == 2 and weight.shape[1] == x.shape[1] and q > 0
+    plan = conv_plan(arena.shape, layout, f, channels, x.shape[1], weight.shape[0],
+                     max(num_tokens, num_rows) if num_tokens and num_rows else 0) if ok_shapes else None
+    ref_fn = lambda a, xx, w, m: ref.conv_update(a, layout, f, channels, xx, w, m)
+    if plan is None:
+        return ref_fn(arena, x, weight, meta)
+    kernel_fn = lambda a, xx, w, m: _update_pallas(plan, a, xx, w, m, interpret)
+    return with_ref_vjp(kernel_fn, ref_fn)(arena, x, weight, meta)
+
+
+# ------------------------------------------------------------------------------ conv_write
+
+
+def _write_kernel(plan: ConvPlan, num_tokens: int, q: int, x_dtype, win_dtype, arena_dtype):
+    km1, nb, g = plan.km1, plan.nb, plan.granule
+    blk = (nb, g)
+
+    def kernel(row_tok, has_state, commit, active, t_dest, t_len, x_ref, win_ref, arena_in, arena_out):
+        del arena_in  # aliased to arena_out; only written
+        b, cb = _split_pid(plan)
+        cblk = pl.ds(cb * nb, nb)
+
+        def x_of(j):  # x[row_tokens[b, j]]
+            return x_ref[_index(row_tok[b, j], num_tokens), cblk, :]
+
+        def slot_base(slot):
+            return slot * plan.slot_stride + plan.field0 + plan.chan0 + cb * nb
+
+        hs = has_state[b] != 0
+        old_x = [_masked_load(win_ref.at[b * km1 + r, cblk, :], hs, blk, win_dtype).astype(x_dtype) for r in range(km1)]
+        slot = active[b]
+        n = commit[b]
+
+        @pl.when((n != 0) & (slot != 0))
+        def _():
+            _store_window(plan, arena_out, slot_base(slot),
+                          _window_after(plan, old_x, x_of, n, q, x_dtype, win_dtype, arena_dtype))
+
+        dest = t_dest[b]
+
+        @pl.when(dest != 0)
+        def _():
+            _store_window(plan, arena_out, slot_base(dest),
+                          _window_after(plan, old_x, x_of, t_len[b], q, x_dtype, win_dtype, arena_dtype))
+
+    return kernel
+
+
+def _write_pallas(plan: ConvPlan, arena, x, window, meta: ConvMeta, interpret: bool):
+    num_tokens, width = x.shape
+    num_rows, q = meta.row_tokens.shape
+    g = plan.granule
+    arena2 = arena.reshape(-1, g)
+    args = _meta_arrays(meta)[2:] + [x.reshape(num_tokens, width // g, g),
+                                     window.reshape(num_rows * plan.km1, width // g, g), arena2]
+    arena2 = pallas_call(
+        _write_kernel(plan, num_tokens, q, x.dtype, window.dtype, arena.dtype),
+        out_shape=jax.ShapeDtypeStruct(arena2.shape, arena2.dtype),
+        grid=(num_rows * plan.nblocks,), aliases={len(args) - 1: 0}, interpret=interpret,
+        num_warps=plan.num_warps, name="conv_write")(*args)
+    return arena2.reshape(arena.shape)
+
+
+def conv_write(arena: Array, layout: ArenaLayout, f: Field, channels: tuple[int, int], x: Float[Array, "t c"],
+               window: Float[Array, "b km1 c"], meta: ConvMeta, *, interpret: bool = False) -> Array:
+    """Write the active (commit_len != 0) and checkpoint windows of one stream.
+
+    Same contract and result as `inkling_jax.cache.conv_state.conv_write`; `window` is the
+    stream's old window (any float dtype; the reference's casts are mirrored). Reads nothing
+    from the arena."""
+    num_tokens = x.shape[0]
+    num_rows = window.shape[0]
+    ok_shapes = (x.ndim == 2 and window.ndim == 3 and window.shape[1:] == (f.shape[0], x.shape[1])
+                 and meta.row_tokens.shape[0] == num_rows and meta.row_tokens.shape[1] > 0)
+    plan = conv_plan(arena.shape, layout, f, channels, x.shape[1], window.shape[1] + 1,
+                     num_rows if num_tokens and num_rows else 0) if ok_shapes else None
+    ref_fn = lambda a, xx, w, m: ref.conv_write(a, layout, f, channels, xx, w, m)
+    if plan is None:
+        return ref_fn(arena, x, window, meta)
+    kernel_fn = lambda a, xx, w, m: _write_pallas(plan, a, xx, w, m, interpret)
+    return with_ref_vjp(kernel_fn, ref_fn)(arena, x, window, meta)

@@ -1,0 +1,398 @@
+"""Pallas kernels (interpret mode on CPU) against their jnp references, bit for bit.
+
+Every case compiles the kernel and the reference once and replays several random batches:
+random slot permutations, padded rows and padding tokens on the sink, rows without state,
+commit_len 0 (and partial commits), checkpoints with track_len 0, < K-1 and >= K-1, rows that
+do not checkpoint (sink destination, any track_len). The kernels never write the sink while
+the reference does (its contents never matter), so the sink is compared as "kernel left it
+alone" and everything else bit for bit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_kernels as pk
+from inkling_jax.cache import conv_state as ref_conv
+from inkling_jax.cache import state as ref_state
+from inkling_jax.cache.conv_state import ConvMeta
+from inkling_jax.cache.layout import ArenaLayout, Field
+from inkling_jax.config import InklingConfig
+from pallas_kernels import conv_state as pconv
+from pallas_kernels import slot_ops as pslot
+
+NUM_SLOTS = 8  # physical slots in the test arenas (slot 0 is the sink)
+EXTRA_UNITS = 3  # units past the slots (pages), which must stay untouched
+
+
+# ------------------------------------------------------------------------- fixtures
+
+
+def tiny_layout(k: int, page_size: int = 4, spec_steps: int = 0) -> ArenaLayout:
+    return ArenaLayout.build(InklingConfig.tiny(conv_kernel_size=k), page_size, spec_steps)
+
+
+def odd_layout() -> tuple[ArenaLayout, Field]:
+    """A hand-built layout: 48-element units, a [3, 40] conv field at unit 1 of 5-unit slots,
+    so window rows straddle unit boundaries and the granule is 8 elements."""
+    base = tiny_layout(4)
+    lay = dataclasses.replace(base, unit_elems=48, slot_units=5)
+    return lay, Field(1, 3, (3, 40))
+
+
+def conv_fields(lay: ArenaLayout) -> list[Field]:
+    return [fs.conv for fs in lay.target + lay.draft]
+
+
+def random_arena(rng, lay: ArenaLayout, fields: list[Field], dtype) -> jax.Array:
+    """Random arena with the conv fields' padding tails zero (as in any arena the library builds)."""
+    e, s = lay.unit_elems, lay.slot_units
+    a = rng.standard_normal((NUM_SLOTS * s + EXTRA_UNITS, e)).astype(np.float32)
+    for slot in range(NUM_SLOTS):
+        for f in fields:
+            rows = slice(slot * s + f.unit_offset, slot * s + f.unit_offset + f.units)
+            flat = a[rows].reshape(-1)
+            flat[f.elems:] = 0
+            a[rows] = flat.reshape(f.units, e)
+    return jnp.asarray(a, dtype)
+
+
+def random_meta(rng, num_rows: int, num_tokens: int, km1: int, decode: bool, q: int = 0) -> ConvMeta:
+    """A step's conv metadata as steps.py builds it, with physical slots drawn at random.
+
+    q: the step's Q (max new tokens of a row; decode: 1); extend default: num_tokens."""
+    slots = rng.permutation(np.arange(1, NUM_SLOTS))
+    num_real = rng.randint(1, num_rows) if num_rows > 1 else 1  # leave padded rows when there is room
+    real = np.sort(rng.choice(num_rows, num_real, replace=False))
+    padded = np.setdiff1d(np.arange(num_rows), real)
+    active = np.zeros(num_rows, np.int32)
+    active[real] = slots[:num_real]
+    spare = list(slots[num_real:])
+    num_new = np.zeros(num_rows, np.int32)
+    token_row = np.zeros(num_tokens, np.int32)
+    token_offset = np.zeros(num_tokens, np.int32)
+    q = 1 if decode else (q or num_tokens)
+    if decode:
+        assert num_tokens == num_rows
+        num_new[real] = 1
+        query_start = np.arange(num_rows)
+        token_row[:] = np.arange(num_tokens)  # padding tokens: their own (padded) row
+        q = 1
+    else:
+        budget = num_tokens - num_real
+        for b in real:
+            extra = rng.randint(0, min(budget, 2 * km1 + 2, q - 1) + 1)
+            num_new[b] = 1 + extra
+            budget -= extra
+        query_start = rng.randint(0, num_tokens, num_rows)  # padded rows: anywhere
+        t = 0
+        for b in real:
+            query_start[b] = t
+            token_row[t:t + num_new[b]] = b
+            token_offset[t:t + num_new[b]] = np.arange(num_new[b])
+            t += num_new[b]
+        if t < num_tokens:  # padding tokens: a padded row, token_offset >= its num_new (0)
+            assert len(padded)
+            token_row[t:] = rng.choice(padded, num_tokens - t)
+            token_offset[t:] = rng.randint(0, km1 + 3, num_tokens - t)
+    row_tokens = np.clip(query_start[:, None] + np.arange(q)[None, :], 0, num_tokens - 1)
+    has_state = rng.rand(num_rows) < 0.7
+    commit_len = num_new.copy()
+    for b in real:
+        u = rng.rand()
+        if u < 0.2:
+            commit_len[b] = 0
+        elif u < 0.4:
+            commit_len[b] = rng.randint(1, num_new[b] + 1)
+    commit_len[padded] = np.where(rng.rand(len(padded)) < 0.3, 1, 0)  # aimed at the sink: inert
+    track_dest = np.zeros(num_rows, np.int32)
+    track_len = rng.randint(0, km1 + 3, num_rows)  # rows that do not checkpoint: anything
+    for b in real:
+        if spare and rng.rand() < 0.6:
+            track_dest[b] = spare.pop()
+            track_len[b] = rng.choice([0, min(1, num_new[b]), min(km1 - 1, num_new[b]), num_new[b], q])
+    i32 = lambda a: jnp.asarray(a, jnp.int32)
+    return ConvMeta(token_row=i32(token_row), token_offset=i32(token_offset), row_tokens=i32(row_tokens),
+                    has_state=jnp.asarray(has_state), commit_len=i32(commit_len), active=i32(active),
+                    track_dest=i32(track_dest), track_len=i32(track_len))
+
+
+def bits(a) -> np.ndarray:
+    a = np.asarray(a)
+    return a.view(np.uint16 if a.dtype.itemsize == 2 else np.uint32)
+
+
+def assert_bits(got, want, what: str) -> None:
+    got, want = bits(got), bits(want)
+    assert got.shape == want.shape, what
+    bad = np.argwhere(got != want)
+    assert bad.size == 0, f"{what}: {len(bad)} elements differ, first at {bad[:5].tolist()}"
+
+
+def assert_arena(got, want, before, lay: ArenaLayout, what: str) -> None:
+    """Bit for bit outside the sink; the kernel leaves the sink as it was."""
+    s = lay.slot_units
+    assert_bits(got[s:], want[s:], f"{what}: arena outside the sink")
+    assert_bits(got[:s], before[:s], f"{what}: sink")
+
+
+def stream_channels(f: Field, cfg: InklingConfig, stream: str) -> tuple[int, int]:
+    c, h = f.shape[1], cfg.hidden_size
+    kv = (c - 2 * h) // 2
+    start, width = {"k": (0, kv), "v": (kv, kv), "attn": (2 * kv, h), "mlp": (2 * kv + h, h)}[stream]
+    return start, start + width
+
+
+# ------------------------------------------------------------------------ conv_update
+
+# (K, arena dtype, x dtype, layer, streams, decode, rows B, tokens T, Q)
+UPDATE_CASES = {
+    "k4-f32-decode": (4, jnp.float32, jnp.float32, 2, ("attn",), True, 4, 4, 1),
+    "k4-bf16-extend-4streams": (4, jnp.bfloat16, jnp.bfloat16, 0, ("k", "v", "attn", "mlp"), False, 4, 16, 7),
+    "k2-f32arena-bf16x-extend": (2, jnp.float32, jnp.bfloat16, 2, ("mlp",), False, 3, 12, 5),
+    "k3-bf16arena-f32x-decode": (3, jnp.bfloat16, jnp.float32, 1, ("v",), True, 5, 5, 1),
+    "k4-f32-extend-T<B": (4, jnp.float32, jnp.float32, 1, ("k",), False, 6, 5, 3),
+}
+
+
+@pytest.mark.parametrize("case", list(UPDATE_CASES))
+def test_conv_update_matches_reference(case):
+    k, adt, xdt, layer, streams, decode, num_rows, num_tokens, q = UPDATE_CASES[case]
+    rng = np.random.RandomState(sum(map(ord, case)))
+    lay = tiny_layout(k)
+    f = lay.target[layer].conv
+    chans = [stream_channels(f, lay.cfg, s) for s in streams]
+
+    def step(update, arena, xs, ws, meta):  # the streams of one layer, as steps.py calls them
+        ys = []
+        for ch, x, w in zip(chans, xs, ws):
+            y, arena = update(arena, lay, f, ch, x, w, meta)
+            ys.append(y)
+        return ys, arena
+
+    for c0, c1 in chans:  # the kernel runs (no fallback to the reference)
+        assert pconv.conv_plan((NUM_SLOTS * lay.slot_units + EXTRA_UNITS, lay.unit_elems), lay, f, (c0, c1),
+                               c1 - c0, k, max(num_rows, num_tokens)) is not None
+    kern = jax.jit(lambda *a: step(pk.conv_ops(True, interpret=True).conv_update, *a))
+    want_fn = jax.jit(lambda *a: step(ref_conv.conv_update, *a))
+    for trial in range(3):
+        arena = random_arena(rng, lay, conv_fields(lay), adt)
+        xs = [jnp.asarray(rng.standard_normal((num_tokens, c1 - c0)), xdt) for c0, c1 in chans]
+        ws = [jnp.asarray(0.5 * rng.standard_normal((k, c1 - c0)), xdt) for c0, c1 in chans]
+        meta = random_meta(rng, num_rows, num_tokens, k - 1, decode, q)
+        ys, got = kern(arena, xs, ws, meta)
+        ys_ref, want = want_fn(arena, xs, ws, meta)
+        for s, y, y_ref in zip(streams, ys, ys_ref):
+            assert_bits(y, y_ref, f"{case} trial {trial} y[{s}]")
+        assert_arena(got, want, arena, lay, f"{case} trial {trial}")
+        # slots neither active nor checkpointed this step are untouched
+        written = set(np.asarray(meta.active).tolist()) | set(np.asarray(meta.track_dest).tolist())
+        s_units = lay.slot_units
+        for slot in set(range(1, NUM_SLOTS)) - written:
+            assert_bits(got[slot * s_units:(slot + 1) * s_units], arena[slot * s_units:(slot + 1) * s_units],
+                        f"{case}: untouched slot {slot}")
+        assert_bits(got[NUM_SLOTS * s_units:], arena[NUM_SLOTS * s_units:], f"{case}: units past the slots")
+
+
+def test_conv_update_odd_field():
+    """Window rows straddling unit boundaries, an 8-element granule, one 8-channel block."""
+    lay, f = odd_layout()
+    rng = np.random.RandomState(1)
+    ch = (8, 32)
+    kern = jax.jit(lambda a, x, w, m: pconv.conv_update(a, lay, f, ch, x, w, m, interpret=True))
+    want_fn = jax.jit(lambda a, x, w, m: ref_conv.conv_update(a, lay, f, ch, x, w, m))
+    plan = pconv.conv_plan((NUM_SLOTS * lay.slot_units + EXTRA_UNITS, 48), lay, f, ch, 24, 4, 10)
+    assert plan is not None and plan.granule == 8 and plan.nb * plan.granule == 8 and plan.nblocks == 3
+    for trial in range(3):
+        arena = random_arena(rng, lay, [f], jnp.float32)
+        x = jnp.asarray(rng.standard_normal((10, 24)), jnp.float32)
+        w = jnp.asarray(rng.standard_normal((4, 24)), jnp.float32)
+        meta = random_meta(rng, 3, 10, 3, decode=False, q=6)
+        y, got = kern(arena, x, w, meta)
+        y_ref, want = want_fn(arena, x, w, meta)
+        assert_bits(y, y_ref, f"odd y {trial}")
+        assert_arena(got, want, arena, lay, f"odd {trial}")
+
+
+# ------------------------------------------------------------------------- conv_write
+
+
+@pytest.mark.parametrize("k,adt,wdt,xdt", [(4, jnp.bfloat16, jnp.float32, jnp.float32),
+                                            (2, jnp.float32, jnp.float32, jnp.bfloat16)])
+def test_conv_write_matches_reference(k, adt, wdt, xdt):
+    rng = np.random.RandomState(k)
+    lay = tiny_layout(k)
+    f = lay.target[3].conv
+    ch = stream_channels(f, lay.cfg, "attn")
+    num_rows, num_tokens, width = 4, 12, ch[1] - ch[0]
+    assert pconv.conv_plan((NUM_SLOTS * lay.slot_units + EXTRA_UNITS, lay.unit_elems), lay, f, ch, width, k,
+                           num_rows) is not None
+    kern = jax.jit(lambda a, x, w, m: pconv.conv_write(a, lay, f, ch, x, w, m, interpret=True))
+    want_fn = jax.jit(lambda a, x, w, m: ref_conv.conv_write(a, lay, f, ch, x, w, m))
+    for trial in range(3):
+        arena = random_arena(rng, lay, conv_fields(lay), adt)
+        x = jnp.asarray(rng.standard_normal((num_tokens, width)), xdt)
+        window = jnp.asarray(rng.standard_normal((num_rows, k - 1, width)), wdt)
+        meta = random_meta(rng, num_rows, num_tokens, k - 1, decode=False, q=5)
+        got = kern(arena, x, window, meta)
+        assert_arena(got, want_fn(arena, x, window, meta), arena, lay, f"conv_write trial {trial}")
+
+
+# -------------------------------------------------------------------------- slot ops
+
+
+def test_slot_ops_match_reference():
+    rng = np.random.RandomState(7)
+    lay = tiny_layout(4, spec_steps=2)
+    arena = random_arena(rng, lay, conv_fields(lay), jnp.bfloat16)
+    ops = pk.conv_ops(True, interpret=True)
+    perm = rng.permutation(np.arange(1, NUM_SLOTS))
+    src = jnp.asarray([perm[0], perm[1], perm[2], perm[3]], jnp.int32)
+    dst = jnp.asarray([perm[4], 0, perm[5], 0], jnp.int32)  # pairs aimed at the sink are inert
+
+    for first, n in [(0, None), (lay.draft_unit_start, None), (2, 3)]:
+        got = jax.jit(lambda a, s, d: ops.copy_slot_units(a, lay, s, d, first, n))(arena, src, dst)
+        want = ref_state.copy_slot_units(arena, lay, src, dst, first, n)
+        assert_arena(got, want, arena, lay, f"copy first={first} n={n}")
+        got = jax.jit(lambda a, d: ops.clear_slot_units(a, lay, d, first, n))(arena, dst)
+        want = ref_state.clear_slot_units(arena, lay, dst, first, n)
+        assert_arena(got, want, arena, lay, f"clear first={first} n={n}")
+
+    units = rng.permutation(arena.shape[0])[:10]
+    src_rows, dst_rows = jnp.asarray(units[:5], jnp.int32), jnp.asarray(units[5:], jnp.int32)
+    got = jax.jit(lambda a, s, d: ops.move_units(a, s, d))(arena, src_rows, dst_rows)
+    assert_bits(got, ref_state.move_units(arena, src_rows, dst_rows), "move_units")
+
+
+# ------------------------------------------------------------------------- gradients
+
+
+def _grad_check(fn_kernel, fn_ref, primals, argnums, what):
+    g_k = jax.jit(jax.grad(fn_kernel, argnums))(*primals)
+    g_r = jax.jit(jax.grad(fn_ref, argnums))(*primals)
+    for i, (a, b) in enumerate(zip(g_k, g_r)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f"{what}: grad {i}")
+
+
+def test_gradients_match_reference():
+    rng = np.random.RandomState(3)
+    lay = tiny_layout(4)
+    f = lay.target[2].conv
+    ch = stream_channels(f, lay.cfg, "attn")
+    width = ch[1] - ch[0]
+    arena = random_arena(rng, lay, conv_fields(lay), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((10, width)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((4, width)), jnp.float32)
+    meta = random_meta(rng, 3, 10, 3, decode=False, q=6)
+    probe_y = jnp.asarray(rng.standard_normal(x.shape), jnp.float32)
+    probe_a = jnp.asarray(rng.standard_normal(arena.shape), jnp.float32)
+
+    def loss(update):
+        def fn(a, xx, ww):
+            y, out = update(a, lay, f, ch, xx, ww, meta)
+            return jnp.sum(y * probe_y) + jnp.sum(out * probe_a)
+        return fn
+
+    ops = pk.conv_ops(True, interpret=True)
+    _grad_check(loss(ops.conv_update), loss(ref_conv.conv_update), (arena, x, w), (0, 1, 2), "conv_update")
+
+    window = jnp.asarray(rng.standard_normal((3, 3, width)), jnp.float32)
+
+    def wloss(write):
+        return lambda a, xx, win: jnp.sum(write(a, lay, f, ch, xx, win, meta) * probe_a)
+
+    _grad_check(wloss(ops.conv_write), wloss(ref_conv.conv_write), (arena, x, window), (0, 1, 2), "conv_write")
+
+    src, dst = jnp.asarray([1, 2], jnp.int32), jnp.asarray([3, 4], jnp.int32)
+    _grad_check(lambda a: jnp.sum(ops.copy_slot_units(a, lay, src, dst) * probe_a),
+                lambda a: jnp.sum(ref_state.copy_slot_units(a, lay, src, dst) * probe_a), (arena,), (0,), "copy")
+
+
+# --------------------------------------------------------------- dispatch and fallbacks
+
+
+def test_conv_ops_dispatch():
+    assert pk.conv_ops(False) is pk.REFERENCE_OPS
+    assert pk.conv_ops(False).conv_update is ref_conv.conv_update
+    if jax.default_backend() != "gpu":
+        assert pk.conv_ops("auto") is pk.REFERENCE_OPS
+        with pytest.raises(ValueError):
+            pk.conv_ops(True)
+    ops = pk.conv_ops(True, interpret=True)
+    assert ops.pallas and ops.interpret
+    with pytest.raises(ValueError):
+        pk.conv_ops("yes")
+
+
+def test_plan_constraints_and_fallback():
+    lay = tiny_layout(4)
+    f = lay.target[2].conv
+    ch = stream_channels(f, lay.cfg, "mlp")
+    width = ch[1] - ch[0]
+    plan = pconv.conv_plan((100, lay.unit_elems), lay, f, ch, width, 4, 4)
+    assert plan is not None and plan.block % plan.granule == 0 and width % plan.block == 0
+    assert (plan.block & (plan.block - 1)) == 0 and (plan.granule & (plan.granule - 1)) == 0
+    # granule rows past int32, a kernel size that does not match the field, K = 1: the reference
+    assert pconv.conv_plan((2**31 // (lay.unit_elems // plan.granule) + 1, lay.unit_elems), lay, f, ch, width, 4,
+                           4) is None
+    assert pconv.conv_plan((100, lay.unit_elems), lay, f, ch, width, 3, 4) is None
+    assert pslot._tile((2**40, 64)) is None
+    odd = dataclasses.replace(f, shape=(3, f.shape[1], 1))  # not a [K-1, C] field
+    assert pconv.conv_plan((100, lay.unit_elems), lay, odd, ch, width, 4, 4) is None
+
+
+def test_fallback_returns_reference(monkeypatch):
+    monkeypatch.setattr(pconv, "conv_plan", lambda *a, **k: None)
+    rng = np.random.RandomState(5)
+    lay = tiny_layout(4)
+    f = lay.target[2].conv
+    ch = stream_channels(f, lay.cfg, "mlp")
+    width = ch[1] - ch[0]
+    arena = random_arena(rng, lay, conv_fields(lay), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((4, width)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((4, width)), jnp.float32)
+    meta = random_meta(rng, 4, 4, 3, decode=True)
+    y, a = pconv.conv_update(arena, lay, f, ch, x, w, meta, interpret=True)
+    y_ref, a_ref = ref_conv.conv_update(arena, lay, f, ch, x, w, meta)
+    assert_bits(y, y_ref, "y")
+    assert_bits(a, a_ref, "arena (the reference writes the sink too)")
+
+
+# ---------------------------------------------------------------------- GPU lowering
+
+
+def test_kernels_lower_for_gpu():
+    """The kernels pass the Triton lowering (power-of-two blocks, supported ops) for CUDA,
+    at the bench config's layout; this runs on CPU (it compiles nothing)."""
+    cfg = InklingConfig.bench()
+    lay = ArenaLayout.build(cfg, 64)
+    sds = jax.ShapeDtypeStruct
+    arena = sds((lay.slot_units * 600, lay.unit_elems), jnp.bfloat16)  # ~7.6 GB: int64 offsets
+    i32 = lambda *s: sds(s, jnp.int32)
+
+    def lower(fn, *args):
+        try:
+            text = jax.jit(fn, donate_argnums=0).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        except (ImportError, NotImplementedError) as exc:  # a jaxlib without the Triton dialect
+            pytest.skip(f"no Triton lowering here: {exc}")
+        assert "xla.gpu.triton" in text
+
+    f = lay.target[0].conv
+    ch = stream_channels(f, cfg, "attn")
+    w = ch[1] - ch[0]
+    for b, t, q in [(32, 32, 1), (4, 256, 64)]:
+        meta = ConvMeta(token_row=i32(t), token_offset=i32(t), row_tokens=i32(b, q), has_state=sds((b,), jnp.bool_),
+                        commit_len=i32(b), active=i32(b), track_dest=i32(b), track_len=i32(b))
+        x = sds((t, w), jnp.bfloat16)
+        lower(lambda a, x, wt, m: pconv.conv_update(a, lay, f, ch, x, wt, m), arena, x, sds((4, w), jnp.bfloat16),
+              meta)
+    lower(lambda a, x, win, m: pconv.conv_write(a, lay, f, ch, x, win, m), arena, x, sds((b, 3, w), jnp.bfloat16),
+          meta)
+    lower(lambda a, s, d: pslot.copy_slot_units(a, lay, s, d), arena, i32(8), i32(8))
+    lower(lambda a, d: pslot.clear_slot_units(a, lay, d), arena, i32(8))
+    lower(lambda a, s, d: pslot.move_units(a, s, d), arena, i32(64), i32(64))
