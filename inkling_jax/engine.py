@@ -31,8 +31,6 @@ from .cache.pool import PoolExhausted, UnitPool
 from .cache.prefix_tree import Node, PrefixTree
 from .cache.state import ServingState, init_state
 from .config import InklingConfig
-from pallas_kernels import conv_ops
-
 from .steps import StepBatch, StepShape, check_batch, compile_step
 
 
@@ -179,6 +177,8 @@ class Engine:
                 raise ValueError("use_pallas=True needs a GPU (or pallas_interpret=True for interpret mode)")
         else:
             raise ValueError(f"use_pallas must be True, False or 'auto', got {config.use_pallas!r}")
+        from pallas_kernels import conv_ops  # (pallas_kernels imports inkling_jax.cache)
+
         self.ops = conv_ops(self.use_pallas, config.pallas_interpret)
         self.dtype = params["unembed"].dtype
         self.layout = ArenaLayout.build(cfg, config.page_size, config.spec_steps)

@@ -1,4 +1,4 @@
-"""Pallas kernels (interpret mode on CPU) against their jnp references, bit for bit.
+"""Pallas kernels (interpret mode on CPU, compiled on a GPU) against their jnp references, bit for bit.
 
 Every case compiles the kernel and the reference once and replays several random batches:
 random slot permutations, padded rows and padding tokens on the sink, rows without state,
@@ -25,6 +25,9 @@ from inkling_jax.cache.layout import ArenaLayout, Field
 from inkling_jax.config import InklingConfig
 from pallas_kernels import conv_state as pconv
 from pallas_kernels import slot_ops as pslot
+
+# On a GPU the same tests run the compiled Triton kernels; elsewhere interpret mode.
+INTERPRET = jax.default_backend() != "gpu"
 
 NUM_SLOTS = 8  # physical slots in the test arenas (slot 0 is the sink)
 EXTRA_UNITS = 3  # units past the slots (pages), which must stay untouched
@@ -127,6 +130,19 @@ def bits(a) -> np.ndarray:
     return a.view(np.uint16 if a.dtype.itemsize == 2 else np.uint32)
 
 
+def assert_y(got, want, what: str) -> None:
+    """Conv outputs: bit for bit in interpret mode. Compiled on a GPU, the fp32 accumulation
+    order is XLA's choice for the reference and an FMA chain in the kernel, so within 4 ulps
+    of the output dtype (relative to the largest |y|); the state writes stay bit for bit."""
+    if INTERPRET:
+        return assert_bits(got, want, what)
+    eps = float(jnp.finfo(jnp.asarray(got).dtype).eps)
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    tol = 4 * eps * max(1.0, float(np.abs(want).max()))
+    err = float(np.abs(got - want).max())
+    assert err <= tol, f"{what}: max |diff| {err:.3g} > {tol:.3g}"
+
+
 def assert_bits(got, want, what: str) -> None:
     got, want = bits(got), bits(want)
     assert got.shape == want.shape, what
@@ -178,7 +194,7 @@ def test_conv_update_matches_reference(case):
     for c0, c1 in chans:  # the kernel runs (no fallback to the reference)
         assert pconv.conv_plan((NUM_SLOTS * lay.slot_units + EXTRA_UNITS, lay.unit_elems), lay, f, (c0, c1),
                                c1 - c0, k, max(num_rows, num_tokens)) is not None
-    kern = jax.jit(lambda *a: step(pk.conv_ops(True, interpret=True).conv_update, *a))
+    kern = jax.jit(lambda *a: step(pk.conv_ops(True, interpret=INTERPRET).conv_update, *a))
     want_fn = jax.jit(lambda *a: step(ref_conv.conv_update, *a))
     for trial in range(3):
         arena = random_arena(rng, lay, conv_fields(lay), adt)
@@ -188,7 +204,7 @@ def test_conv_update_matches_reference(case):
         ys, got = kern(arena, xs, ws, meta)
         ys_ref, want = want_fn(arena, xs, ws, meta)
         for s, y, y_ref in zip(streams, ys, ys_ref):
-            assert_bits(y, y_ref, f"{case} trial {trial} y[{s}]")
+            assert_y(y, y_ref, f"{case} trial {trial} y[{s}]")
         assert_arena(got, want, arena, lay, f"{case} trial {trial}")
         # slots neither active nor checkpointed this step are untouched
         written = set(np.asarray(meta.active).tolist()) | set(np.asarray(meta.track_dest).tolist())
@@ -204,7 +220,7 @@ def test_conv_update_odd_field():
     lay, f = odd_layout()
     rng = np.random.RandomState(1)
     ch = (8, 32)
-    kern = jax.jit(lambda a, x, w, m: pconv.conv_update(a, lay, f, ch, x, w, m, interpret=True))
+    kern = jax.jit(lambda a, x, w, m: pconv.conv_update(a, lay, f, ch, x, w, m, interpret=INTERPRET))
     want_fn = jax.jit(lambda a, x, w, m: ref_conv.conv_update(a, lay, f, ch, x, w, m))
     plan = pconv.conv_plan((NUM_SLOTS * lay.slot_units + EXTRA_UNITS, 48), lay, f, ch, 24, 4, 10)
     assert plan is not None and plan.granule == 8 and plan.nb * plan.granule == 8 and plan.nblocks == 3
@@ -215,7 +231,7 @@ def test_conv_update_odd_field():
         meta = random_meta(rng, 3, 10, 3, decode=False, q=6)
         y, got = kern(arena, x, w, meta)
         y_ref, want = want_fn(arena, x, w, meta)
-        assert_bits(y, y_ref, f"odd y {trial}")
+        assert_y(y, y_ref, f"odd y {trial}")
         assert_arena(got, want, arena, lay, f"odd {trial}")
 
 
@@ -232,7 +248,7 @@ def test_conv_write_matches_reference(k, adt, wdt, xdt):
     num_rows, num_tokens, width = 4, 12, ch[1] - ch[0]
     assert pconv.conv_plan((NUM_SLOTS * lay.slot_units + EXTRA_UNITS, lay.unit_elems), lay, f, ch, width, k,
                            num_rows) is not None
-    kern = jax.jit(lambda a, x, w, m: pconv.conv_write(a, lay, f, ch, x, w, m, interpret=True))
+    kern = jax.jit(lambda a, x, w, m: pconv.conv_write(a, lay, f, ch, x, w, m, interpret=INTERPRET))
     want_fn = jax.jit(lambda a, x, w, m: ref_conv.conv_write(a, lay, f, ch, x, w, m))
     for trial in range(3):
         arena = random_arena(rng, lay, conv_fields(lay), adt)
@@ -250,7 +266,7 @@ def test_slot_ops_match_reference():
     rng = np.random.RandomState(7)
     lay = tiny_layout(4, spec_steps=2)
     arena = random_arena(rng, lay, conv_fields(lay), jnp.bfloat16)
-    ops = pk.conv_ops(True, interpret=True)
+    ops = pk.conv_ops(True, interpret=INTERPRET)
     perm = rng.permutation(np.arange(1, NUM_SLOTS))
     src = jnp.asarray([perm[0], perm[1], perm[2], perm[3]], jnp.int32)
     dst = jnp.asarray([perm[4], 0, perm[5], 0], jnp.int32)  # pairs aimed at the sink are inert
@@ -298,7 +314,7 @@ def test_gradients_match_reference():
             return jnp.sum(y * probe_y) + jnp.sum(out * probe_a)
         return fn
 
-    ops = pk.conv_ops(True, interpret=True)
+    ops = pk.conv_ops(True, interpret=INTERPRET)
     _grad_check(loss(ops.conv_update), loss(ref_conv.conv_update), (arena, x, w), (0, 1, 2), "conv_update")
 
     window = jnp.asarray(rng.standard_normal((3, 3, width)), jnp.float32)
@@ -357,7 +373,7 @@ def test_fallback_returns_reference(monkeypatch):
     x = jnp.asarray(rng.standard_normal((4, width)), jnp.float32)
     w = jnp.asarray(rng.standard_normal((4, width)), jnp.float32)
     meta = random_meta(rng, 4, 4, 3, decode=True)
-    y, a = pconv.conv_update(arena, lay, f, ch, x, w, meta, interpret=True)
+    y, a = pconv.conv_update(arena, lay, f, ch, x, w, meta, interpret=INTERPRET)
     y_ref, a_ref = ref_conv.conv_update(arena, lay, f, ch, x, w, meta)
     assert_bits(y, y_ref, "y")
     assert_bits(a, a_ref, "arena (the reference writes the sink too)")
