@@ -563,16 +563,16 @@ class Engine:
         slot = r.track[idx]
         npages = depth // self.config.page_size
         dup_pages, dup_slots, node = self.tree.insert(r.tokens[:depth], r.pages[:npages], slot)
-        taken = set(r.pages[:npages]) - set(dup_pages)
-        r.own_pages -= taken
-        if not dup_slots:  # the tree took the slot: replace it
-            got = self._try_alloc(1, 0) if self.config.ping_pong == "eager" else None
-            r.track[idx] = got[0][0] if got else -1  # -1: taken again at the next boundary
-            r.last_ckpt = None
+        r.own_pages -= set(r.pages[:npages]) - set(dup_pages)
+        # lock the new path before anything can evict: the request still reads those pages
         self.tree.lock(node)
         if r.prefix_node is not None:
             self.tree.unlock(r.prefix_node)
         r.prefix_node = node
+        if not dup_slots:  # the tree took the checkpoint slot: replace it
+            got = self._try_alloc(1, 0) if self.config.ping_pong == "eager" else None
+            r.track[idx] = got[0][0] if got else -1  # -1: taken again at the next boundary
+            r.last_ckpt = None
 
     def _emit(self, r: Request, token: int, logprob: float, now: float) -> None:
         if r.first_token_at is None:

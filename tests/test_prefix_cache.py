@@ -1,0 +1,349 @@
+"""Prefix caching with conv-state checkpoints, ping-pong slots, sessions, admission, and the
+unified pool: the scenarios of serving-state.md §6 rewritten for this design, plus a
+property test of random schedules against an engine with the prefix cache off."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import inkling_jax as ik
+from inkling_jax.cache.layout import ArenaLayout
+from inkling_jax.cache.state import init_state, read_field, slot_rows
+from inkling_jax.steps import StepBatch, StepShape, compile_step
+from conftest import ENGINE_KW, TRUNK, make_engine, reference_logprobs
+
+POOLS = [("unified", "eager"), ("unified", "lazy"), ("static", "eager"), ("static", "lazy")]
+
+
+def prompts_from(seed, lengths):
+    rng = np.random.RandomState(seed)
+    return [list(rng.randint(3, TRUNK.unpadded_vocab_size, n)) for n in lengths]
+
+
+def slot_contents(engine, virtual: int) -> dict[str, np.ndarray]:
+    """Every field of a slot (conv windows, sliding rings), read through the live table."""
+    lay = engine.layout
+    phys = jnp.asarray([engine.pool.physical_slot(virtual)])
+    out = {}
+    for i, fields in enumerate(lay.target):
+        for name, f in (("conv", fields.conv), ("ring", fields.ring)):
+            if f is not None:
+                out[f"layer{i}.{name}"] = np.asarray(read_field(engine.state.arena, lay, slot_rows(lay, phys, f), f))
+    return out
+
+
+def drain(engine):
+    while engine.running or engine.waiting:
+        engine.step()
+
+
+# --------------------------------------------------------------------- prefix hits
+
+
+@pytest.mark.parametrize("pool, ping_pong", POOLS)
+def test_same_prompt_twice_hits_exactly(trunk_params, pool, ping_pong):
+    """The second run reports cached tokens, gives the same tokens, logprobs within 1e-5,
+    also after compactions between the runs; accounting closes throughout."""
+    engine = make_engine(trunk_params, pool=pool, ping_pong=ping_pong)
+    prompts = prompts_from(1, (21, 30, 9))
+    sp = ik.SamplingParams(max_new_tokens=10, stop_at_eos=False)
+    first = engine.generate(prompts, sp)
+    engine.check_invariants()
+    engine.pool.compact()  # close any lazy holes: entries move, ids stay
+    filler = engine.generate(prompts_from(2, (13, 5)), sp)  # allocate and free: more moves
+    assert all(c.cached_tokens == 0 for c in filler)
+    second = engine.generate(prompts, sp)
+    engine.check_invariants()
+    for p, a, b in zip(prompts, first, second):
+        assert b.tokens == a.tokens
+        np.testing.assert_allclose(b.logprobs, a.logprobs, rtol=0, atol=1e-5)
+        assert b.cached_tokens == (len(p) - 1) // ENGINE_KW["track_interval"] * ENGINE_KW["track_interval"]
+        ref, _ = reference_logprobs(trunk_params, TRUNK, p, b.tokens)
+        np.testing.assert_allclose(b.logprobs, ref, rtol=0, atol=1e-5)
+    assert engine.stats()["cache_hit_tokens"] == sum(c.cached_tokens for c in second)
+    if pool == "unified":
+        assert engine.stats()["compaction_moves"] > 0
+
+
+def test_branching_prompts_share_a_prefix(trunk_params):
+    base = prompts_from(3, (20,))[0]
+    a, b, c = base + [11, 12, 13, 14, 15], base + [21, 22, 23], base[:17] + [9, 9, 9, 9, 9, 9]
+    sp = ik.SamplingParams(max_new_tokens=8, stop_at_eos=False)
+    engine = make_engine(trunk_params)
+    engine.generate([a], sp)
+    out_b, out_c = engine.generate([b, c], sp)
+    assert out_b.cached_tokens == 16 and out_c.cached_tokens == 16  # the checkpoint at 16 is shared
+    clean = make_engine(trunk_params, prefix_cache=False).generate([b, c], sp)
+    assert [out_b.tokens, out_c.tokens] == [x.tokens for x in clean]
+    engine.check_invariants()
+
+
+@pytest.mark.parametrize("ping_pong", ["eager", "lazy"])
+def test_restored_windows_are_bit_exact(trunk_params, ping_pong):
+    """The checkpoint a run leaves at depth 16 holds exactly (bit for bit) the conv windows
+    and sliding K/V ring of a request that processed those 16 tokens, and a hit restores it."""
+    prompt = prompts_from(4, (23,))[0]
+    engine = make_engine(trunk_params, ping_pong=ping_pong)
+    engine.generate([prompt], ik.SamplingParams(max_new_tokens=2, stop_at_eos=False))
+    match = engine.tree.match(prompt, max_depth=16)
+    assert match.depth == 16
+    cached = slot_contents(engine, match.node.checkpoint)
+
+    other = make_engine(trunk_params, prefix_cache=False)  # processes exactly the 16 tokens
+    req = other.submit([prompt[:16]], ik.SamplingParams(max_new_tokens=2, stop_at_eos=False))[0]
+    other.step()
+    other.step()  # chunks [0, 8), [8, 16): the same chunking as the first run
+    assert req.committed == 16 and req.finish_reason is None
+    fresh = slot_contents(other, req.slot)
+    assert cached.keys() == fresh.keys()
+    for name in cached:
+        np.testing.assert_array_equal(cached[name], fresh[name], err_msg=name)
+
+    # a hit copies it into the new request's own slot inside its first step
+    req2 = engine.submit([prompt], ik.SamplingParams(max_new_tokens=1, stop_at_eos=False))[0]
+    engine._admit_waiting()
+    assert req2.cow_src == match.node.checkpoint and req2.slot != req2.cow_src
+    drain(engine)
+    engine.check_invariants()
+
+
+@pytest.mark.parametrize("ping_pong", ["eager", "lazy"])
+def test_multi_turn_session(trunk_params, ping_pong):
+    """A session keeps its slot and pages: later turns send only new tokens and give what a
+    fresh request over the whole history gives. Closing frees exactly the real slots (S15)."""
+    engine = make_engine(trunk_params, ping_pong=ping_pong)
+    clean = make_engine(trunk_params, prefix_cache=False)
+    sp = ik.SamplingParams(max_new_tokens=7, stop_at_eos=False)
+    sid = engine.open_session()
+    history: list[int] = []
+    for turn in prompts_from(5, (10, 6, 13)):
+        out = engine.generate([turn], sp, session=sid)[0]
+        expected = clean.generate([history + turn], sp)[0]
+        assert out.tokens == expected.tokens
+        np.testing.assert_allclose(out.logprobs, expected.logprobs, rtol=0, atol=1e-5)
+        history += turn + out.tokens
+        engine.check_invariants()
+    sess = engine.sessions[sid]
+    held = [s for s in [sess.slot, *sess.track] if s > 0]
+    if ping_pong == "lazy":
+        assert -1 in sess.track  # lazily absent
+    live_before = engine.pool.live_count("slot")
+    engine.close_session(sid)
+    assert engine.pool.live_count("slot") == live_before - len(held)
+    engine.check_invariants()
+    with pytest.raises(ValueError, match="not open"):
+        engine.close_session(sid)
+
+
+# --------------------------------------------------------------------- admission
+
+
+def test_admission_needs_and_rollback(trunk_params):
+    """S13: eager needs 1 + 2 slots, lazy 1 + 1; a short pool defers with nothing taken;
+    evicting the tree frees room; a failed admission rolls back exactly what it took."""
+    sp = ik.SamplingParams(max_new_tokens=2, stop_at_eos=False)
+    for ping_pong, need in (("eager", 3), ("lazy", 2)):
+        engine = make_engine(trunk_params, pool="static", num_slots=need, ping_pong=ping_pong)
+        req = engine.submit([[5, 6, 7]], sp)[0]
+        engine._admit_waiting()
+        assert engine.running == [req] and engine.pool.live_count("slot") == need
+        assert (req.track[1] == -1) == (ping_pong == "lazy")
+
+    engine = make_engine(trunk_params, pool="static", num_slots=3)
+    engine.generate([prompts_from(6, (20,))[0]], sp)  # leaves checkpoints in the tree
+    assert engine.pool.live_count("slot") >= 1
+    before = (engine.pool.live_count("slot"), engine.pool.live_count("page"), engine.tree.owned())
+    blocker = engine.submit([[1, 2, 3]], sp)[0]
+    engine._admit_waiting()  # needs 3 slots: evicts the tree's checkpoints to get them
+    assert engine.running == [blocker] and engine.stats()["evicted_slots"] >= 1
+    waiter = engine.submit([[4, 5, 6]], sp)[0]
+    live = (engine.pool.live_count("slot"), engine.pool.live_count("page"))
+    engine._admit_waiting()  # nothing left to evict: deferred, nothing taken
+    assert engine.waiting == [waiter] and engine.stats()["deferred"] == 1
+    assert (engine.pool.live_count("slot"), engine.pool.live_count("page")) == live
+    engine.check_invariants()
+    drain(engine)
+    assert waiter.finish_reason == "length" and before[0] >= 1
+    engine.check_invariants()
+
+
+@pytest.mark.parametrize("committed, n, expected", [
+    (0, 8, 8), (0, 7, None), (3, 8, 8), (8, 8, 16), (16, 3, None), (13, 11, 24), (15, 1, 16), (16, 1, None),
+])
+def test_checkpoint_positions(trunk_params, committed, n, expected):
+    """S14 for our grid (track_interval 8, absolute): a step that reaches or crosses a
+    multiple of 8 writes the window ending there; the track length is counted from the step start."""
+    engine = make_engine(trunk_params)
+    req = ik.engine.Request(0, list(range(40)), 40, ik.SamplingParams(), track=[5, 6], committed=committed)
+    plan = engine._plan_checkpoint(req, n)
+    assert (plan is None) if expected is None else (plan == (0, expected - committed))
+
+
+# ------------------------------------------------------- step-level scenarios
+
+
+def _decode_batch(rows, b, slots, track_slots, track_len, seq, pages, tokens):
+    z = lambda v, d=np.int32: np.asarray(v, d)
+    live = len(rows)
+    pad = b - live
+    return StepBatch(
+        tokens=z(list(tokens) + [0] * pad), token_row=z(range(b)), token_offset=z([0] * b),
+        slot=z(list(slots) + [0] * pad), has_state=z([s > 0 for s in seq] + [False] * pad, bool),
+        seq_start=z(list(seq) + [0] * pad), num_new=z([1] * live + [0] * pad), query_start=z(range(b)),
+        pages=z([list(p) for p in pages] + [[0] * len(pages[0])] * pad),
+        track_slot=z(list(track_slots) + [0] * pad), track_len=z(list(track_len) + [0] * pad),
+        cow_src=z([0] * b), temperature=z([0] * b, np.float32), top_k=z([0] * b), top_p=z([1] * b, np.float32),
+        seed=z([0] * b))
+
+
+def test_checkpoints_land_only_in_translated_slots(trunk_params):
+    """S1 / S3 / S11 / S12 at the step level: after slots moved (tables remapped), a decode
+    step with 3 live rows of 4 (one padded) and checkpoints masked in for rows 0 and 2 only
+    changes the live rows' active slots, the two checkpoint slots, the rows' pages and the
+    sink; the checkpoint slots hold the new windows; an all-padded step changes nothing."""
+    lay = ArenaLayout.build(TRUNK, 4)
+    n_slots, n_pages = 12, 12
+    units = (n_slots + 1) * lay.slot_units + (n_pages + 1) * lay.page_units
+    step = compile_step(TRUNK, lay, StepShape("decode", 4, 4, 1, 4))
+    rng = np.random.RandomState(0)
+    state = init_state(lay, units, n_slots, n_pages, jnp.float32)
+    perm = np.concatenate([[0], rng.permutation(np.arange(1, n_slots + 1))]).astype(np.int32)  # "compacted"
+    state = state.replace(arena=jnp.asarray(rng.standard_normal(state.arena.shape), jnp.float32),
+                          slot_v2p=jnp.asarray(perm), page_v2p=jnp.arange(n_pages + 1, dtype=jnp.int32))
+    before = np.asarray(state.arena)
+    active, track = [1, 2, 3], [4, 5, 6]
+    pages = [[1, 2, 3, 0], [4, 5, 6, 0], [7, 8, 9, 0]]
+    batch = _decode_batch([0, 1, 2], 4, active, track, [1, 0, 1], [7, 9, 8], pages, [5, 6, 7])
+    _, state = step(trunk_params, state, batch)
+    after = np.asarray(state.arena)
+    changed = set(np.nonzero(np.any(after != before, axis=1))[0].tolist())
+
+    def rows_of_slot(v):
+        return set(range(perm[v] * lay.slot_units, (perm[v] + 1) * lay.slot_units))
+
+    allowed = set(range(lay.slot_units))  # the sink slot
+    for v in active + [4, 6]:
+        allowed |= rows_of_slot(v)
+    allowed |= {units - (p + 1) * lay.page_units + k for row in pages for p in row if p for k in range(lay.page_units)}
+    allowed |= set(range(units - lay.page_units, units))  # the sink page
+    assert changed <= allowed, f"unexpected rows written: {sorted(changed - allowed)}"
+    assert not (changed & rows_of_slot(5)), "a masked-off checkpoint slot was written"
+    assert changed & rows_of_slot(4) and changed & rows_of_slot(6)
+    f = lay.target[1].conv  # the checkpoint windows equal the active windows after the step
+    for act, trk in ((1, 4), (3, 6)):
+        a = read_field(state.arena, lay, slot_rows(lay, jnp.asarray([perm[act]]), f), f)
+        t = read_field(state.arena, lay, slot_rows(lay, jnp.asarray([perm[trk]]), f), f)
+        np.testing.assert_array_equal(a, t)
+
+    inert = _decode_batch([], 4, [], [], [], [], [[0] * 4], [])
+    snapshot = np.asarray(state.arena)
+    _, state = step(trunk_params, state, inert)
+    diff = np.nonzero(np.any(np.asarray(state.arena) != snapshot, axis=1))[0]
+    sinks = set(range(lay.slot_units)) | set(range(units - lay.page_units, units))
+    assert set(diff.tolist()) <= sinks
+
+
+# ------------------------------------------------------- unified vs static
+
+
+def test_unified_holds_what_no_static_split_can(trunk_params):
+    """One fixed budget (units). Unified holds (a) 8 short requests at once and (b) two long
+    ones at once; every static split of the same budget fails (a) or (b)."""
+    kw = dict(prefix_cache=False, max_running=8, max_step_tokens=64)
+    sp_short = ik.SamplingParams(max_new_tokens=4, stop_at_eos=False)
+    sp_long = ik.SamplingParams(max_new_tokens=8, stop_at_eos=False)
+    short = prompts_from(7, (10,) * 8)
+    long = prompts_from(8, (650, 640))
+
+    def holds(engine, prompts, sp) -> bool:
+        try:
+            engine.submit(prompts, sp)
+        except ValueError:
+            return False  # longer than this split can ever hold
+        engine._admit_waiting()
+        return len(engine.running) == len(prompts)
+
+    unified = make_engine(trunk_params, pool="unified", **kw)
+    budget = unified.pool.num_units
+    assert holds(unified, short, sp_short)
+    unified = make_engine(trunk_params, pool="unified", **kw)
+    assert holds(unified, long, sp_long)
+
+    lay = unified.layout
+    for s in range(1, budget // lay.slot_units):
+        p = (budget - (s + 1) * lay.slot_units) // lay.page_units - 1
+        if p < 1:
+            continue
+        a = make_engine(trunk_params, pool="static", num_slots=s, num_pages=p, **kw)
+        b = make_engine(trunk_params, pool="static", num_slots=s, num_pages=p, **kw)
+        assert a.pool.num_units <= budget
+        assert not (holds(a, short, sp_short) and holds(b, long, sp_long)), f"static split {s} slots / {p} pages"
+
+
+# ------------------------------------------------------- property test
+
+
+OPS = st.lists(st.one_of(
+    st.tuples(st.just("submit"), st.integers(0, 3), st.integers(1, 18), st.integers(1, 6)),
+    st.tuples(st.just("step"), st.integers(1, 4)),
+    st.tuples(st.just("session"), st.integers(0, 3), st.integers(1, 9), st.integers(1, 5)),
+    st.tuples(st.just("close")),
+    st.tuples(st.just("compact")),
+    st.tuples(st.just("evict")),
+), min_size=3, max_size=10)
+
+
+@pytest.mark.parametrize("pool, ping_pong", POOLS)
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=OPS)
+def test_random_schedules_match_no_cache(trunk_params, pool, ping_pong, ops):
+    """Random schedules of submit / step / session turns / close / compaction / eviction:
+    check_invariants() after every operation, and every completion equals what an engine
+    with the prefix cache off gives for the same full history."""
+    bases = prompts_from(9, (19, 24, 11, 30))
+    engine = make_engine(trunk_params, pool=pool, ping_pong=ping_pong, num_slots=10, num_pages=40)
+    sp = lambda n: ik.SamplingParams(max_new_tokens=n, stop_at_eos=False)
+    submitted = []  # (request, full history it answers)
+    sid, history = None, []
+    for op in ops:
+        if op[0] == "submit":
+            _, base, cut, n = op
+            prompt = bases[base][:cut] + [3 + cut]
+            submitted.append((engine.submit([prompt], sp(n))[0], prompt))
+        elif op[0] == "step":
+            for _ in range(op[1]):
+                engine.step()
+        elif op[0] == "session":
+            _, base, cut, n = op
+            if sid is None:
+                sid, history = engine.open_session(), []
+            drain(engine)
+            turn = bases[base][:cut]
+            out = engine.generate([turn], sp(n), session=sid)[0]
+            submitted.append((out, history + turn))
+            history = history + turn + out.tokens
+        elif op[0] == "close" and sid is not None:
+            drain(engine)
+            engine.close_session(sid)
+            sid = None
+        elif op[0] == "compact":
+            engine.pool.compact()
+            engine._sync_pool()
+        elif op[0] == "evict":
+            engine.evict_all()
+        engine.check_invariants()
+    drain(engine)
+    engine.check_invariants()
+    if not submitted:
+        return
+    clean = make_engine(trunk_params, pool=pool, ping_pong=ping_pong, prefix_cache=False, num_slots=10,
+                        num_pages=40, max_running=2)
+    for item, full in submitted:
+        tokens = item.out_tokens if hasattr(item, "out_tokens") else item.tokens
+        n = len(tokens)
+        expected = clean.generate([full], sp(n))[0].tokens
+        assert tokens == expected
