@@ -260,10 +260,11 @@ def sample_tokens(logits: Float[Array, "b v"], temperature: Array, top_k: Array,
 # ---------------------------------------------------------------------------- step
 
 
-def run_step(params: Params, state: ServingState, batch: StepBatch, *, cfg: InklingConfig, layout: ArenaLayout,
-             shape: StepShape, use_pallas: bool = False, interpret: bool = False) -> tuple[StepOutput, ServingState]:
-    """One serving step (not jitted; `compile_step` wraps it). use_pallas picks the Pallas
-    conv-state kernels (interpret=True runs them in interpret mode, for CPU tests)."""
+def step_logits(params: Params, state: ServingState, batch: StepBatch, *, cfg: InklingConfig, layout: ArenaLayout,
+                shape: StepShape, use_pallas: bool = False, interpret: bool = False
+                ) -> tuple[Float[Array, "b v"], ServingState]:
+    """The step without sampling: logits (fp32) of each row's last new token, and the new
+    state. Differentiable in params and state (the research / harness entry point)."""
     from pallas_kernels import conv_ops
 
     ops = conv_ops(use_pallas, interpret)
@@ -281,10 +282,18 @@ def run_step(params: Params, state: ServingState, batch: StepBatch, *, cfg: Inkl
         x = L.decoder_layer(p, cfg, cfg.layer_geometry(i), cfg.is_dense(i), x, ctx)
     last = jnp.clip(batch.query_start + batch.num_new - 1, 0, x.shape[0] - 1)
     h = L.rms_norm(x[last], params["final_norm"], cfg.rms_norm_eps)
-    logits = L.lm_head(params, cfg, h)
+    return L.lm_head(params, cfg, h), state.replace(arena=ctx.arena)
+
+
+def run_step(params: Params, state: ServingState, batch: StepBatch, *, cfg: InklingConfig, layout: ArenaLayout,
+             shape: StepShape, use_pallas: bool = False, interpret: bool = False) -> tuple[StepOutput, ServingState]:
+    """One serving step (not jitted; `compile_step` wraps it): logits, then sampling. use_pallas
+    picks the Pallas conv-state kernels (interpret=True runs them in interpret mode, for CPU tests)."""
+    logits, state = step_logits(params, state, batch, cfg=cfg, layout=layout, shape=shape, use_pallas=use_pallas,
+                                interpret=interpret)
     tokens, logprobs = sample_tokens(logits, batch.temperature, batch.top_k, batch.top_p, batch.seed,
                                      batch.seq_start + batch.num_new)
-    return StepOutput(tokens, logprobs), state.replace(arena=ctx.arena)
+    return StepOutput(tokens, logprobs), state
 
 
 def compile_step(cfg: InklingConfig, layout: ArenaLayout, shape: StepShape, use_pallas: bool = False,
