@@ -1,62 +1,315 @@
-"""inkling-generate: greedy continuations from the embedded default model (reference path).
+"""inkling-generate: continuous-batching generation with the serving engine, and its statistics.
 
-The engine-backed generation loop replaces the body of `main` once the serving core lands;
-the command line stays."""
+    inkling-generate [--model tiny|small|bench|PATH] [--prompt TEXT ... | --prompts-file F]
+                     [--max-new-tokens N] [--temperature T] [--spec-steps K] [--no-prefix-cache]
+                     [--lazy] [--pool unified|static] [--max-running N] [--seed S] [--dtype D]
+
+With no arguments it runs the embedded default model (the `tiny` preset with deterministic
+random weights, jax.random.key(0)) on built-in prompts, several of which share a prefix so
+the prefix cache has something to serve. Prints the completions, then a stats table.
+
+The engine geometry is sized from the prompts so that one run compiles few step shapes: one
+batch bucket (max_running rows), one token bucket (max_step_tokens) and one context bucket
+(the longest prompt plus max_new_tokens, rounded up to a power of two): an extend step and a
+decode step, both compiled up front (`--no-warmup` compiles them lazily instead).
+"""
 
 from __future__ import annotations
 
 import argparse
+import math
+import sys
 import time
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from .config import InklingConfig
-from .model import forward, init_params
-from .tokenizer import ByteTokenizer
+from .tokenizer import ByteTokenizer, tokenizer_for
 
-DEFAULT_PROMPTS = ["The short convolution remembers", "Attention with a sliding window"]
+PRESETS = ("tiny", "small", "bench")
+
+# A shared "system prompt" prefix: longer than a few checkpoint intervals, so later requests
+# that start with it are served from the prefix cache.
+_SYSTEM = "You are Inkling, a hybrid model: every layer has attention and short convolutions. "
+DEFAULT_PROMPTS = [
+    _SYSTEM + "What does a short causal convolution remember?",
+    "The sliding window sees the last few tokens; the full layers see them all.",
+    _SYSTEM + "Explain prefix caching in one sentence.",
+    "Once upon a time",
+    _SYSTEM + "Why keep conv-state checkpoints?",
+    _SYSTEM + "What does a short causal convolution remember?",  # an exact repeat
+]
+
+
+class CliError(Exception):
+    """A problem with the command line's request: printed as one line, exit status 2."""
+
+
+# --------------------------------------------------------------------------- model / prompts
+
+
+def default_dtype() -> str:
+    return "bfloat16" if jax.default_backend() in ("gpu", "tpu") else "float32"
 
 
 def load_model(spec: str, dtype=jnp.float32):
-    if spec in ("tiny", "small", "bench"):
+    """(cfg, params) for a preset name (random weights from jax.random.key(0)) or a model directory."""
+    if spec in PRESETS:
+        from .model import init_params
+
         cfg = getattr(InklingConfig, spec)()
         return cfg, init_params(cfg, jax.random.key(0), dtype=dtype)
+    import os
+
     from .weights import load_pretrained
+
+    if not os.path.isfile(os.path.join(spec, "config.json")):
+        raise CliError(f"--model {spec!r} is neither a preset ({', '.join(PRESETS)}) nor a model directory "
+                       "with a config.json")
     return load_pretrained(spec, dtype=dtype)
 
 
-def greedy_reference(params, cfg, prompt: list[int], max_new_tokens: int) -> list[int]:
-    """Greedy decoding by re-running the whole sequence, padded to one length (one compile)."""
-    total = len(prompt) + max_new_tokens
-    step = jax.jit(lambda p, t, n: forward(p, cfg, t)[0, n - 1])
-    tokens = np.zeros((1, total), np.int32)
-    tokens[0, :len(prompt)] = prompt
-    for n in range(len(prompt), total):
-        tokens[0, n] = int(jnp.argmax(step(params, jnp.asarray(tokens), n)))
-    return tokens[0, len(prompt):].tolist()
+def read_prompts(path: str) -> list[str]:
+    """One prompt per non-empty line ('-': standard input); a literal \\n in a line is a newline."""
+    try:
+        text = sys.stdin.read() if path == "-" else open(path, encoding="utf-8").read()
+    except OSError as e:
+        raise CliError(f"cannot read --prompts-file: {e}") from None
+    prompts = [line.replace("\\n", "\n") for line in text.splitlines() if line.strip()]
+    if not prompts:
+        raise CliError(f"--prompts-file {path}: no prompts (one per non-empty line)")
+    return prompts
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="inkling-generate", description=__doc__)
-    ap.add_argument("--model", default="tiny")
-    ap.add_argument("--prompt", action="append")
-    ap.add_argument("--max-new-tokens", type=int, default=16)
-    args = ap.parse_args(argv)
-    cfg, params = load_model(args.model)
-    tok = ByteTokenizer(cfg)
-    prompts = args.prompt or DEFAULT_PROMPTS
+def _pow2(n: int) -> int:
+    return 1 << max(0, math.ceil(math.log2(max(n, 1))))
+
+
+def engine_config(args: argparse.Namespace, prompt_lens: list[int]):
+    """EngineConfig for this run: one bucket per dimension (two compiled steps in all)."""
+    from .engine import EngineConfig
+
+    page_size = args.page_size
+    interval = args.track_interval or 2 * page_size
+    running = max(1, min(args.max_running, len(prompt_lens)))
+    chunk = args.chunk_size or interval
+    step_tokens = _pow2(max(running * chunk, running))
+    context = _pow2(max(max(prompt_lens) + args.max_new_tokens + args.spec_steps, 2 * page_size))
+    pages_per_request = context // page_size
+    # every running request at full length, plus as much again for the prefix cache; slots for
+    # the running requests (active + two checkpoints each) and some cached checkpoints
+    num_pages = 2 * running * pages_per_request
+    num_slots = 3 * running + min(4 * len(prompt_lens), 32)
+    return EngineConfig(
+        max_running=running, num_slots=num_slots, num_pages=num_pages, page_size=page_size,
+        pool=args.pool, prefix_cache=not args.no_prefix_cache, track_interval=interval,
+        ping_pong="lazy" if args.lazy else "eager", spec_steps=args.spec_steps,
+        chunk_size=min(chunk, step_tokens), max_step_tokens=step_tokens, max_context=context,
+        min_context_bucket=context, min_token_bucket=step_tokens, min_batch_bucket=running)
+
+
+# ------------------------------------------------------------------------------------ run
+
+
+@dataclass
+class RunResult:
+    completions: list  # list[Completion]
+    stats: dict
+    wall_s: float  # submit -> last token
+    compile_s: float  # compile seconds inside that wall time
+    ttft_s: list[float]
+
+
+def run(engine, prompts: list[list[int]], sampling, progress: bool = True) -> RunResult:
+    """Submit every prompt, step the engine until all finish (a tqdm bar counts tokens)."""
+    from tqdm import tqdm
+
+    from .engine import Completion
+
+    before = engine.stats()
     t0 = time.perf_counter()
-    n = 0
-    for text in prompts:
-        ids = tok.encode(text)
-        out = greedy_reference(params, cfg, ids, args.max_new_tokens)
-        n += len(out)
-        print(f"{text!r} -> {tok.decode(out)!r}  (ids {out})")
-    dt = time.perf_counter() - t0
-    print(f"{n} tokens in {dt:.2f}s ({n / dt:.1f} tok/s, reference forward, no cache)")
+    try:
+        requests = engine.submit(prompts, sampling)
+    except ValueError as e:  # bad input (token id out of range, prompt too long): nothing was queued
+        raise CliError(str(e)) from None
+    total = len(prompts) * sampling.max_new_tokens
+    # delay: the bar appears only when the run lasts longer than a second
+    with tqdm(total=total, unit="tok", desc="generating", disable=not progress, delay=1.0,
+              file=sys.stderr, dynamic_ncols=True) as bar:
+        done = 0
+        while any(r.finish_reason is None for r in requests):
+            engine.step()
+            n = sum(len(r.out_tokens) for r in requests)
+            bar.update(n - done)
+            done = n
+            finished = sum(r.finish_reason is not None for r in requests)
+            bar.set_postfix(done=f"{finished}/{len(requests)}", refresh=False)
+    wall = time.perf_counter() - t0
+    after = engine.stats()
+    completions = [Completion(r.out_tokens, r.out_logprobs, r.cached, r.finish_reason) for r in requests]
+    return RunResult(completions, after, wall, after["compile_seconds"] - before["compile_seconds"],
+                     [r.first_token_at - r.submitted for r in requests])
+
+
+def format_stats(res: RunResult, num_prompt_tokens: int, warmup_s: float, spec_steps: int) -> str:
+    s = res.stats
+    gen = sum(len(c.tokens) for c in res.completions)
+    run_s = max(res.wall_s - res.compile_s, 1e-9)
+    ttft = res.ttft_s
+    cached = sum(c.cached_tokens for c in res.completions)
+    if spec_steps:
+        accept = f"{s['mean_accept_length']:.2f} tokens per verify ({s.get('verify_steps', 0)} verify steps"
+        if s.get("depth_acceptance"):
+            accept += ", acceptance by depth " + " ".join(f"{a:.2f}" for a in s["depth_acceptance"])
+        accept += ")"
+    else:
+        accept = "- (speculative decoding off)"
+    rows = [
+        ("requests", f"{len(res.completions)}"),
+        ("generated tokens", f"{gen}"),
+        ("wall time", f"{res.wall_s:.3f} s ({res.compile_s:.2f} s of it compiling)"),
+        ("tokens/s", f"{gen / run_s:.1f} (generated tokens / wall time excluding compile)"),
+        ("time to first token", f"mean {1e3 * sum(ttft) / len(ttft):.1f} ms, max {1e3 * max(ttft):.1f} ms"),
+        ("steps", f"{s['steps']} (extend {s['extend_steps']}, decode {s['decode_steps']})"),
+        ("compiles", f"{s['compiles']} ({s['compile_seconds']:.2f} s; {warmup_s:.2f} s before the run)"),
+        ("cache-hit tokens", f"{cached} of {num_prompt_tokens} prompt tokens"),
+        ("accept length", accept),
+        ("pool", f"{s['live_slots']} slots / {s['live_pages']} pages live, "
+                 f"{s['compaction_moves']} compaction moves"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(["stats:"] + [f"  {k:<{width}}  {v}" for k, v in rows])
+
+
+# ----------------------------------------------------------------------------------- main
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="inkling-generate",
+        description="Generate with the Inkling serving engine (continuous batching, prefix cache) and "
+                    "print the completions and a stats table. With no arguments: the embedded default "
+                    "model (tiny preset, random weights) on built-in prompts.")
+    ap.add_argument("--model", default="tiny", help="preset (tiny, small, bench: random weights) or a model "
+                    "directory (config.json + safetensors, tokenizer.json if present). Default: tiny")
+    src = ap.add_mutually_exclusive_group()
+    src.add_argument("--prompt", nargs="+", action="extend", metavar="TEXT",
+                     help="prompt text (repeatable; several after one flag)")
+    src.add_argument("--prompts-file", metavar="F", help="one prompt per non-empty line ('-' = stdin)")
+    ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    ap.add_argument("--top-k", type=int, default=0)
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--seed", type=int, default=0, help="sampling seed")
+    ap.add_argument("--spec-steps", type=int, default=0, help="MTP draft tokens per round (0 = off)")
+    ap.add_argument("--no-prefix-cache", action="store_true")
+    ap.add_argument("--lazy", action="store_true", help="lazy ping-pong checkpoints and lazy compaction")
+    ap.add_argument("--pool", choices=("unified", "static"), default="unified")
+    ap.add_argument("--max-running", type=int, default=4, help="requests decoded together (default 4)")
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--track-interval", type=int, default=0, help="checkpoint cadence (default 2 pages)")
+    ap.add_argument("--chunk-size", type=int, default=0, help="prefill chunk (default: the track interval)")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                    help="parameter dtype (default: bfloat16 on GPU/TPU, float32 on CPU)")
+    ap.add_argument("--ignore-eos", action="store_true", help="generate max-new-tokens even past eos")
+    ap.add_argument("--no-warmup", action="store_true", help="compile lazily inside the run")
+    ap.add_argument("--compile-cache", metavar="DIR", default=None,
+                    help="persistent XLA compilation cache directory: later runs with the same shapes load "
+                         "the compiled steps instead of compiling them (off by default)")
+    ap.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return _main(args)
+    except CliError as e:
+        print(f"inkling-generate: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _main(args: argparse.Namespace) -> int:
+    from .engine import Engine, SamplingParams
+
+    if args.prompt:
+        texts = list(args.prompt)
+    elif args.prompts_file:
+        texts = read_prompts(args.prompts_file)
+    else:
+        texts = list(DEFAULT_PROMPTS)
+    for name in ("max_new_tokens", "max_running", "page_size"):
+        if getattr(args, name) < 1:
+            raise CliError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    for name in ("track_interval", "chunk_size", "spec_steps"):
+        if getattr(args, name) < 0:
+            raise CliError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    dtype = args.dtype or default_dtype()
+    if args.compile_cache:
+        jax.config.update("jax_compilation_cache_dir", args.compile_cache)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+    t0 = time.perf_counter()
+    try:
+        cfg, params = load_model(args.model, dtype=jnp.dtype(dtype))
+    except (OSError, ValueError, KeyError) as e:
+        raise CliError(f"cannot load model {args.model!r}: {e}") from None
+    try:
+        tok = ByteTokenizer(cfg) if args.model in PRESETS else tokenizer_for(args.model, cfg)
+    except ImportError as e:
+        raise CliError(f"{args.model}/tokenizer.json needs the `tokenizers` package "
+                       f"(pip install 'inkling-jax[tokenizers]'): {e}") from None
+    except ValueError as e:  # a vocab too small for bytes and no tokenizer.json
+        raise CliError(f"no tokenizer for {args.model!r}: {e}") from None
+    prompts = [tok.encode(t) for t in texts]
+    empty = [i for i, p in enumerate(prompts) if not p]
+    if empty:
+        raise CliError(f"prompt {empty[0]} is empty")
+    try:
+        sampling = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                                  top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                                  stop_at_eos=not args.ignore_eos)
+        sampling.validate()
+        econf = engine_config(args, [len(p) for p in prompts])
+        engine = Engine(cfg, params, econf)
+    except (ValueError, NotImplementedError) as e:
+        raise CliError(str(e)) from None
+    load_s = time.perf_counter() - t0
+
+    print(f"model {args.model} ({dtype}, {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
+          f"vocab {cfg.unpadded_vocab_size}) loaded in {load_s:.2f} s")
+    print(f"engine: {econf.pool} pool, prefix cache {'on' if econf.prefix_cache else 'off'}, "
+          f"{econf.ping_pong} ping-pong, max_running {econf.max_running}, page_size {econf.page_size}, "
+          f"track_interval {econf.track_interval}, context {econf.max_context}, "
+          f"{'pallas' if engine.use_pallas else 'jnp'} kernels")
+    warmup_s = 0.0
+    if not args.no_warmup:
+        t1 = time.perf_counter()
+        engine.warmup()
+        warmup_s = time.perf_counter() - t1
+        print(f"compiled {engine.stats()['compiles']} step shapes in {warmup_s:.2f} s")
+
+    res = run(engine, prompts, sampling, progress=not args.no_progress)
+
+    print()
+    for i, (text, c) in enumerate(zip(texts, res.completions)):
+        shown = c.tokens
+        why = c.finish_reason
+        if why == "stop" and shown and shown[-1] == cfg.eos_token_id:
+            shown, why = shown[:-1], "stop at eos"
+        print(f"[{i}] {text!r}")
+        print(f"    -> {tok.decode(shown)!r}")
+        if isinstance(tok, ByteTokenizer) and any(t >= 256 for t in shown):  # ids past the byte range
+            print(f"       ids {shown[:24]}{' ...' if len(shown) > 24 else ''}")
+        print(f"       ({len(c.tokens)} token{'s' * (len(c.tokens) != 1)}, {why}, "
+              f"{c.cached_tokens} prompt tokens cached)")
+    print()
+    print(format_stats(res, sum(len(p) for p in prompts), warmup_s, econf.spec_steps))
+    sys.stdout.flush()
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -131,6 +131,7 @@ class Request:
     out_tokens: list[int] = field(default_factory=list)
     out_logprobs: list[float] = field(default_factory=list)
     finish_reason: str | None = None
+    drafts: list[int] = field(default_factory=list)  # speculative: the next round's draft tokens
     seed: int = 0
     submitted: float = 0.0
     first_token_at: float | None = None
@@ -138,6 +139,9 @@ class Request:
     @property
     def pending(self) -> int:
         return len(self.tokens) - self.committed
+
+    def completion(self) -> Completion:
+        return Completion(list(self.out_tokens), list(self.out_logprobs), self.cached, self.finish_reason)
 
 
 # Compiled steps shared by engines of the same model, layout and state geometry (a process-wide
@@ -166,8 +170,8 @@ class Engine:
                              f"({cfg.num_mtp_layers}{'; the checkpoint has no MTP weights' if not cfg.num_mtp_layers else ''})")
         if config.spec_steps and "mtp" not in params:
             raise ValueError("spec_steps > 0 but the params hold no MTP weights")
-        if config.spec_steps:
-            raise NotImplementedError("speculative decoding lands with the MTP issue")
+        if config.spec_steps and config.track_interval <= config.spec_steps + 1:
+            raise ValueError("track_interval must exceed spec_steps + 1 (one checkpoint per verify at most)")
         self.cfg, self.params, self.config = cfg, params, config
         if config.use_pallas == "auto":
             self.use_pallas = jax.default_backend() == "gpu"
@@ -187,8 +191,8 @@ class Engine:
         self.pool = UnitPool(num_units, lay.slot_units, lay.page_units, unified=config.pool == "unified",
                              lazy=config.ping_pong == "lazy", num_slots=config.num_slots,
                              num_pages=config.num_pages)
-        self.state: ServingState = init_state(lay, num_units, self.pool.slots.max_virtual,
-                                              self.pool.pages.max_virtual, self.dtype)
+        self.state: ServingState = init_state(lay, num_units, len(self.pool.slots.v2p) - 1,
+                                              len(self.pool.pages.v2p) - 1, self.dtype)
         self.tree = PrefixTree(config.page_size) if config.prefix_cache else None
         self.slots_per_request = 1 + (2 if config.ping_pong == "eager" else 1) if config.prefix_cache else 1
         # bucket ladders
@@ -211,8 +215,11 @@ class Engine:
         self._rids = itertools.count()
         self._sids = itertools.count(1)
         self._stats = dict(compiles=0, compile_seconds=0.0, steps=0, extend_steps=0, decode_steps=0,
-                           cache_hit_tokens=0, verify_steps=0, accepted_draft_tokens=0, generated_tokens=0,
-                           prompt_tokens=0, evicted_slots=0, evicted_pages=0, deferred=0)
+                           cache_hit_tokens=0, verify_steps=0, verify_rows=0, accepted_draft_tokens=0,
+                           generated_tokens=0, prompt_tokens=0, evicted_slots=0, evicted_pages=0, deferred=0)
+        self._accepted_at_depth = [0] * config.spec_steps
+        # tests may replace the drafts a verify step checks: f(request, drafts) -> drafts
+        self.draft_override = None
         if config.warmup:
             self.warmup()
 
@@ -225,7 +232,7 @@ class Engine:
         requests = self.submit(prompts, sampling, session)
         while any(r.finish_reason is None for r in requests):
             self.step()
-        return [Completion(r.out_tokens, r.out_logprobs, r.cached, r.finish_reason) for r in requests]
+        return [r.completion() for r in requests]
 
     def submit(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams,
                session: int | None = None) -> list[Request]:
@@ -287,8 +294,9 @@ class Engine:
         s["live_slots"] = self.pool.live_count("slot")
         s["live_pages"] = self.pool.live_count("page")
         s["compaction_moves"] = self.pool.moves_done
-        s["mean_accept_length"] = (s["accepted_draft_tokens"] + s["verify_steps"]) / s["verify_steps"] \
-            if s["verify_steps"] else 0.0
+        rows = s["verify_rows"]
+        s["mean_accept_length"] = (s["accepted_draft_tokens"] + rows) / rows if rows else 0.0  # bonus included
+        s["depth_acceptance"] = [a / rows if rows else 0.0 for a in self._accepted_at_depth]
         return s
 
     # ------------------------------------------------------------------ resources
@@ -330,6 +338,31 @@ class Engine:
                 self.pool.free_slot(s)
             self._stats["evicted_pages"] += len(ev_pages)
             self._stats["evicted_slots"] += len(ev_slots)
+
+    def compact(self) -> None:
+        """Close every hole in the pool now (lazy mode) and apply the moves on the device."""
+        self.pool.compact()
+        self._sync_pool()
+
+    def read_slot(self, virtual: int) -> dict[str, np.ndarray]:
+        """A slot's contents for inspection: {"target.3.conv": [K-1, C], "target.0.ring":
+        [ring, 2, kv_heads, head_dim], "draft.1.hidden": [H], ...}, read through the live table."""
+        from .cache.state import read_field, slot_rows
+
+        self._sync_pool()
+        lay = self.layout
+        phys = jnp.asarray([self.pool.physical_slot(virtual)])
+        if int(phys[0]) == 0:
+            raise ValueError(f"slot {virtual} is not allocated")
+        out = {}
+        for tag, blocks in (("target", lay.target), ("draft", lay.draft)):
+            for i, fs in enumerate(blocks):
+                for name in ("conv", "ring", "hidden"):
+                    f = getattr(fs, name)
+                    if f is not None:
+                        out[f"{tag}.{i}.{name}"] = np.asarray(
+                            read_field(self.state.arena, lay, slot_rows(lay, phys, f), f))[0]
+        return out
 
     def evict_all(self) -> None:
         """Drop every unlocked prefix-cache entry."""
@@ -423,6 +456,9 @@ class Engine:
         p = next(x for x in self.page_buckets if x >= pages)
         if mode == "decode":
             return StepShape("decode", b, b, 1, p)
+        if mode == "verify":
+            q = self.config.spec_steps + 1
+            return StepShape("verify", b, b * q, q, p)
         t = next(x for x in self.token_buckets if x >= max(tokens, b))
         return StepShape("extend", b, t, min(self.config.chunk_size, t), p)
 
@@ -453,13 +489,7 @@ class Engine:
                         self._compiled_step(self._shape("extend", b, t, p))
 
     def _dummy_batch(self, shape: StepShape) -> StepBatch:
-        b, t, p = shape.batch, shape.tokens, shape.pages
-        i32 = lambda n: np.zeros(n, np.int32)
-        return StepBatch(tokens=i32(t), token_row=i32(t), token_offset=np.full(t, shape.query, np.int32),
-                         slot=i32(b), has_state=np.zeros(b, bool), seq_start=i32(b), num_new=i32(b),
-                         query_start=i32(b), pages=np.zeros((b, p), np.int32), track_slot=i32(b),
-                         track_len=i32(b), cow_src=i32(b), temperature=np.zeros(b, np.float32), top_k=i32(b),
-                         top_p=np.ones(b, np.float32), seed=i32(b))
+        return StepBatch.empty(shape, self.config.spec_steps)
 
     def _sync_pool(self) -> None:
         """Apply planned compaction moves and refreshed id tables to the device state."""
@@ -484,36 +514,58 @@ class Engine:
         if not self.running:
             return
         cfg = self.config
+        spec = cfg.spec_steps
         prefill = any(r.pending > 1 for r in self.running)
-        budget = cfg.max_step_tokens
+        mode = "extend" if prefill else ("verify" if spec else "decode")
         plan: list[tuple[Request, int]] = []
-        for r in self.running:
-            n = min(r.pending, cfg.chunk_size, budget - (len(self.running) - len(plan) - 1))
-            n = max(n, 1)
-            plan.append((r, n))
-            budget -= n
+        if mode == "verify":
+            plan = [(r, spec + 1) for r in self.running]
+        else:
+            budget = cfg.max_step_tokens
+            for r in self.running:
+                n = max(min(r.pending, cfg.chunk_size, budget - (len(self.running) - len(plan) - 1)), 1)
+                plan.append((r, n))
+                budget -= n
         for r, n in plan:
             self._grow_pages(r, r.committed + n)
-        mode = "extend" if prefill else "decode"
         max_pages = max(len(r.pages) for r, _ in plan)
         shape = self._shape(mode, len(plan), sum(n for _, n in plan), max_pages)
         tracks = [self._plan_checkpoint(r, n) for r, n in plan]
         batch = self._build_batch(shape, plan, tracks)
-        check_batch(batch, shape)
+        check_batch(batch, shape, spec)
         self._sync_pool()
         fn = self._compiled_step(shape)
         out, self.state = fn(self.params, self.state, batch)
-        tokens, logprobs = jax.device_get((out.tokens, out.logprobs))
+        tokens, logprobs, n_acc, draft_lp, drafts = jax.device_get(
+            (out.tokens, out.logprobs, out.num_accepted, out.accepted_logprobs, out.drafts))
         self._stats["steps"] += 1
         self._stats[f"{mode}_steps"] += 1
         now = time.perf_counter()
         for i, (r, n) in enumerate(plan):
             r.cow_src = 0
+            if mode == "verify":
+                a = int(n_acc[i])
+                q0 = int(batch.query_start[i])
+                emitted = [int(t) for t in batch.tokens[q0 + 1:q0 + 1 + a]] + [int(tokens[i])]
+                lps = [float(x) for x in draft_lp[i, :a]] + [float(logprobs[i])]
+                r.committed += a + 1
+                for tok, lp in zip(emitted, lps):
+                    self._emit(r, tok, lp, now)
+                self._stats["verify_rows"] += 1
+                self._stats["accepted_draft_tokens"] += a
+                for d in range(a):
+                    self._accepted_at_depth[d] += 1
+                if tracks[i] and a + 1 >= tracks[i][1]:
+                    self._after_checkpoint(r, tracks[i])
+                r.drafts = [int(t) for t in drafts[i]]
+                continue
             r.committed += n
             if tracks[i]:
                 self._after_checkpoint(r, tracks[i])
             if r.committed == len(r.tokens):  # the row reached the end: its sample is the next token
                 self._emit(r, int(tokens[i]), float(logprobs[i]), now)
+                if spec:
+                    r.drafts = [int(t) for t in drafts[i]]
         for r in [r for r in self.running if r.finish_reason is not None]:
             self._finish(r)
         self._sync_pool()
@@ -575,11 +627,13 @@ class Engine:
             r.last_ckpt = None
 
     def _emit(self, r: Request, token: int, logprob: float, now: float) -> None:
+        r.tokens.append(token)  # the state's history, even past a stop (it is committed)
+        if r.finish_reason is not None:
+            return
         if r.first_token_at is None:
             r.first_token_at = now
         r.out_tokens.append(token)
         r.out_logprobs.append(logprob)
-        r.tokens.append(token)
         self._stats["generated_tokens"] += 1
         if (r.sampling.stop_at_eos and token == self.cfg.eos_token_id) or token in r.sampling.stop_token_ids:
             r.finish_reason = "stop"
@@ -607,39 +661,48 @@ class Engine:
 
     def _build_batch(self, shape: StepShape, plan: list[tuple[Request, int]],
                      tracks: list[tuple[int, int] | None]) -> StepBatch:
-        b, t, p = shape.batch, shape.tokens, shape.pages
-        tokens = np.zeros(t, np.int32)
-        # padding tokens: the last row, at an offset past its num_new and past every window tap
-        token_row = np.full(t, b - 1, np.int32)
-        token_offset = np.full(t, shape.query + self.cfg.conv_kernel_size, np.int32)
-        slot, has_state, seq_start, num_new, query_start = (np.zeros(b, np.int32) for _ in range(5))
-        has_state = has_state.astype(bool)
-        pages = np.zeros((b, p), np.int32)
-        track_slot, track_len, cow_src, top_k, seed = (np.zeros(b, np.int32) for _ in range(5))
-        temperature = np.zeros(b, np.float32)
-        top_p = np.ones(b, np.float32)
+        spec = self.config.spec_steps
+        batch = StepBatch.empty(shape, spec)
+        b = batch  # numpy arrays, filled in place
+        b.token_offset[:] = shape.query + self.cfg.conv_kernel_size  # padding: past every tap and num_new
         pos = 0
         for i, (r, n) in enumerate(plan):
-            tokens[pos:pos + n] = r.tokens[r.committed:r.committed + n]
-            token_row[pos:pos + n] = i
-            token_offset[pos:pos + n] = np.arange(n)
-            slot[i] = r.slot
-            has_state[i] = r.committed > 0
-            seq_start[i] = r.committed
-            num_new[i] = n
-            query_start[i] = pos
-            pages[i, :len(r.pages)] = r.pages
+            if shape.mode == "verify":
+                drafts = list(r.drafts)
+                if self.draft_override is not None:
+                    drafts = list(self.draft_override(r, drafts))
+                row_tokens = [r.tokens[r.committed]] + drafts
+                remaining = r.sampling.max_new_tokens - len(r.out_tokens)
+                b.max_accept[i] = max(0, min(spec, remaining - 1))
+                b.sample_next[i] = True
+            else:
+                row_tokens = r.tokens[r.committed:r.committed + n]
+                end = r.committed + n
+                ahead = r.tokens[end:end + spec + 1]
+                b.lookahead[i, :len(ahead)] = ahead
+                b.sample_next[i] = end == len(r.tokens)
+            b.tokens[pos:pos + n] = row_tokens
+            b.token_row[pos:pos + n] = i
+            b.token_offset[pos:pos + n] = np.arange(n)
+            b.slot[i] = r.slot
+            b.has_state[i] = r.committed > 0
+            b.seq_start[i] = r.committed
+            b.num_new[i] = n
+            b.query_start[i] = pos
+            b.pages[i, :len(r.pages)] = r.pages
             if tracks[i]:
-                track_slot[i] = r.track[tracks[i][0]]
-                track_len[i] = tracks[i][1]
-            cow_src[i] = r.cow_src
-            temperature[i] = r.sampling.temperature
-            top_k[i] = r.sampling.top_k
-            top_p[i] = r.sampling.top_p
-            seed[i] = r.seed
+                b.track_slot[i] = r.track[tracks[i][0]]
+                b.track_len[i] = tracks[i][1]
+            b.cow_src[i] = r.cow_src
+            b.temperature[i] = r.sampling.temperature
+            b.top_k[i] = r.sampling.top_k
+            b.top_p[i] = r.sampling.top_p
+            b.seed[i] = r.seed
+            stops = ([self.cfg.eos_token_id] if r.sampling.stop_at_eos and self.cfg.eos_token_id is not None else []) \
+                + list(r.sampling.stop_token_ids)
+            b.stop_ids[i, :min(len(stops), b.stop_ids.shape[1])] = stops[:b.stop_ids.shape[1]]
             pos += n
-        return StepBatch(tokens, token_row, token_offset, slot, has_state, seq_start, num_new, query_start, pages,
-                         track_slot, track_len, cow_src, temperature, top_k, top_p, seed)
+        return batch
 
     # ------------------------------------------------------------------ invariants
 

@@ -8,8 +8,8 @@ from .config import InklingConfig
 
 
 class ByteTokenizer:
-    """UTF-8 bytes as token ids 0..255 (the presets' vocab is at least 256). Ids >= 256 and
-    invalid byte sequences decode with replacement characters."""
+    """UTF-8 bytes as token ids 0..255 (the presets' vocab is at least 256). Ids >= 256 are
+    dropped when decoding; invalid byte sequences decode to replacement characters."""
 
     def __init__(self, cfg: InklingConfig):
         if cfg.unpadded_vocab_size < 256:

@@ -3,6 +3,8 @@ forward (logprobs), and itself (chunking, compaction replay, recompiles, bad inp
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -105,15 +107,12 @@ def test_compiled_step_replayed_after_slot_moves(trunk_params):
                 state = state.replace(arena=state.arena.at[dst].set(state.arena[src]).at[src].set(0.0))
                 v2p[3] = slot_phys[1]
                 state = state.replace(slot_v2p=jnp.asarray(v2p))
-            batch = StepBatch(
-                tokens=np.array([tok, 0], np.int32), token_row=np.array([0, 1], np.int32),
+            batch = dataclasses.replace(
+                StepBatch.empty(shape), tokens=np.array([tok, 0], np.int32), token_row=np.array([0, 1], np.int32),
                 token_offset=np.array([0, 0], np.int32), slot=np.array([3, 0], np.int32),
                 has_state=np.array([i > 0, False]), seq_start=np.array([i, 0], np.int32),
                 num_new=np.array([1, 0], np.int32), query_start=np.array([0, 1], np.int32),
-                pages=np.tile(np.arange(1, 9, dtype=np.int32), (2, 1)) * np.array([[1], [0]], np.int32),
-                track_slot=np.zeros(2, np.int32), track_len=np.zeros(2, np.int32), cow_src=np.zeros(2, np.int32),
-                temperature=np.zeros(2, np.float32), top_k=np.zeros(2, np.int32), top_p=np.ones(2, np.float32),
-                seed=np.zeros(2, np.int32))
+                pages=np.tile(np.arange(1, 9, dtype=np.int32), (2, 1)) * np.array([[1], [0]], np.int32))
             out, state = step(trunk_params, state, batch)
             toks.append(int(out.tokens[0]))
             seen.append(np.asarray(out.logprobs)[0])

@@ -4,6 +4,8 @@ property test of random schedules against an engine with the prefix cache off.""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -190,14 +192,13 @@ def _decode_batch(rows, b, slots, track_slots, track_len, seq, pages, tokens):
     z = lambda v, d=np.int32: np.asarray(v, d)
     live = len(rows)
     pad = b - live
-    return StepBatch(
+    return dataclasses.replace(
+        StepBatch.empty(StepShape("decode", b, b, 1, len(pages[0]))),
         tokens=z(list(tokens) + [0] * pad), token_row=z(range(b)), token_offset=z([0] * b),
         slot=z(list(slots) + [0] * pad), has_state=z([s > 0 for s in seq] + [False] * pad, bool),
         seq_start=z(list(seq) + [0] * pad), num_new=z([1] * live + [0] * pad), query_start=z(range(b)),
         pages=z([list(p) for p in pages] + [[0] * len(pages[0])] * pad),
-        track_slot=z(list(track_slots) + [0] * pad), track_len=z(list(track_len) + [0] * pad),
-        cow_src=z([0] * b), temperature=z([0] * b, np.float32), top_k=z([0] * b), top_p=z([1] * b, np.float32),
-        seed=z([0] * b))
+        track_slot=z(list(track_slots) + [0] * pad), track_len=z(list(track_len) + [0] * pad))
 
 
 def test_checkpoints_land_only_in_translated_slots(trunk_params):

@@ -65,16 +65,20 @@ class UnitPool:
         self.num_units = num_units
         self.unified = unified
         self.lazy = lazy
+        # Virtual id spaces: as many objects as the arena could hold of each kind. The static
+        # pool hands out only its split's ids but keeps tables of the same size, so both pools
+        # of one arena have the same state shapes (and share compiled steps).
+        table_slots = (num_units - page_units) // slot_units - 1
+        table_pages = (num_units - slot_units) // page_units - 1
         if unified:
-            max_slots = (num_units - page_units) // slot_units - 1
-            max_pages = (num_units - slot_units) // page_units - 1
+            max_slots, max_pages = table_slots, table_pages
             cap_s = cap_p = None
         else:
             max_slots, max_pages = num_slots, num_pages
             cap_s, cap_p = num_slots, num_pages
-        self.slots = _Kind("slot", slot_units, max_slots, np.zeros(max_slots + 1, np.int32), {},
+        self.slots = _Kind("slot", slot_units, max_slots, np.zeros(table_slots + 1, np.int32), {},
                            list(range(max_slots, 0, -1)), 0, set(), cap_s)
-        self.pages = _Kind("page", page_units, max_pages, np.zeros(max_pages + 1, np.int32), {},
+        self.pages = _Kind("page", page_units, max_pages, np.zeros(table_pages + 1, np.int32), {},
                            list(range(max_pages, 0, -1)), 0, set(), cap_p)
         self._pending: dict[int, int] = {}  # dst unit row -> src unit row (pre-move contents)
         self.tables_dirty = True

@@ -1,0 +1,100 @@
+"""inkling-generate, in process: completions and the stats table, a model directory and a
+prompts file, and clean one-line errors."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import pytest
+
+import inkling_jax as ik
+from inkling_jax import cli
+
+SHARED = "The short convolution keeps a window of the last few inputs; "
+PROMPTS = [SHARED + "what else?", "Attention with a sliding window", SHARED + "what else?"]
+# max_running 1: requests run one after another, so the repeat is served from the prefix cache
+FLAGS = ["--max-new-tokens", "6", "--max-running", "1", "--ignore-eos", "--no-progress"]
+
+
+def stats_table(out: str) -> dict[str, str]:
+    table = out.split("stats:\n", 1)[1]
+    return {m.group(1): m.group(2) for m in re.finditer(r"^  (\S.*?)\s{2,}(.*)$", table, re.M)}
+
+
+def completions(out: str) -> list[str]:
+    return re.findall(r"^    -> (.*)$", out, re.M)
+
+
+def number(s: str) -> float:
+    return float(re.match(r"[-\d.]+", s).group())
+
+
+def run_cli(capsys, argv):
+    rc = cli.main(argv)
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    return out
+
+
+def test_generate_prints_completions_and_stats(capsys, tmp_path):
+    out = run_cli(capsys, ["--prompt", *PROMPTS, *FLAGS])
+    for p in PROMPTS:
+        assert repr(p) in out
+    texts = completions(out)
+    assert len(texts) == 3
+    assert texts[0] == texts[2]  # greedy: the cached repeat continues exactly like the original
+    assert out.count("(6 tokens, length,") == 3
+    s = stats_table(out)
+    for key in ("tokens/s", "time to first token", "steps", "compiles", "cache-hit tokens", "accept length"):
+        assert key in s, key
+    assert number(s["requests"]) == 3 and number(s["generated tokens"]) == 18
+    assert number(s["tokens/s"]) > 0
+    ttft = re.match(r"mean ([\d.]+) ms, max ([\d.]+) ms", s["time to first token"])
+    assert 0 < float(ttft.group(1)) <= float(ttft.group(2))
+    assert number(s["steps"]) >= 18  # one decode step per token at least
+    assert number(s["compiles"]) == 2  # one extend and one decode shape
+    hits, total = map(int, re.match(r"(\d+) of (\d+) prompt tokens", s["cache-hit tokens"]).groups())
+    # the repeat hits the checkpoints at multiples of track_interval (32) inside its prompt
+    assert hits == (len(PROMPTS[2]) - 1) // 32 * 32 > 0
+    assert total == sum(len(p.encode()) for p in PROMPTS)
+    assert "(speculative decoding off)" in s["accept length"]
+    assert re.search(rf"\b{hits} prompt tokens cached\)", out)
+
+    # the same model saved as a directory, prompts from a file: same geometry, so no new
+    # compile (the compiled steps are cached process-wide), and the same greedy text
+    cfg = ik.InklingConfig.tiny()
+    ik.save_pretrained(tmp_path / "model", cfg, ik.init_params(cfg, jax.random.key(0)))
+    (tmp_path / "prompts.txt").write_text("\n".join(PROMPTS) + "\n\n")
+    out2 = run_cli(capsys, ["--model", str(tmp_path / "model"), "--prompts-file",
+                            str(tmp_path / "prompts.txt"), *FLAGS])
+    assert len(completions(out2)) == 3
+    s2 = stats_table(out2)
+    assert number(s2["cache-hit tokens"]) == hits
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--spec-steps", "9"], "exceeds the model's MTP depths"),
+    (["--model", "/nonexistent/model"], "neither a preset"),
+    (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+    (["--page-size", "0"], "--page-size must be >= 1"),
+    (["--track-interval", "24"], "track_interval must be a positive multiple of page_size"),
+    (["--prompt", ""], "prompt 0 is empty"),
+])
+def test_errors_are_one_line(capsys, argv, message):
+    rc = cli.main(argv + ["--no-progress"])
+    out, err = capsys.readouterr()
+    assert rc == 2
+    assert err.startswith("inkling-generate: error:") and message in err
+    assert "Traceback" not in err and err.count("\n") == 1
+
+
+def test_prompt_sources_are_exclusive(capsys, tmp_path):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--prompt", "a", "--prompts-file", str(tmp_path / "p.txt")])
+    assert e.value.code == 2
+    assert cli.main(["--prompts-file", str(tmp_path / "missing.txt")]) == 2
+    assert "cannot read --prompts-file" in capsys.readouterr().err
+    (tmp_path / "blank.txt").write_text("\n  \n")
+    assert cli.main(["--prompts-file", str(tmp_path / "blank.txt")]) == 2
+    assert "no prompts" in capsys.readouterr().err

@@ -1,0 +1,285 @@
+"""MTP speculative decoding: the chain math against HF's decoder layer, greedy equality with
+plain decoding, every accept length with oracle drafts, committed state and checkpoints,
+prefix hits after speculation, and the sampling distribution."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import inkling_jax as ik
+from inkling_jax.cache.state import read_field, slot_rows
+from conftest import ENGINE_KW
+
+# Two trunk layers (a sliding dense one and a full MoE one) and three MTP depths, the middle
+# one banded: every kind of draft state, at half the compile time of the tiny preset.
+SPEC_CFG = ik.InklingConfig.tiny(num_layers=2, local_layer_ids=(0,), dense_layer_ids=(0,), num_mtp_layers=3,
+                                 mtp_local_layer_ids=(1,))
+# Committed state of a speculative run vs a plain one: equal up to float32 rounding, not bit
+# for bit: verify batches spec_steps + 1 positions per row where decode has one, so XLA's CPU
+# kernels accumulate attention and MoE sums in another order (measured: ~2e-6 absolute).
+STATE_ATOL = 2e-5
+
+
+_FWD = jax.jit(lambda p, t: ik.forward(p, SPEC_CFG, t))
+_HIDDEN = jax.jit(lambda p, t: ik.forward_hidden(p, SPEC_CFG, t))
+_MTP = jax.jit(lambda p, h, t: ik.mtp_forward(p, SPEC_CFG, h, t))
+
+
+@pytest.fixture(scope="module")
+def spec_params():
+    return ik.init_params(SPEC_CFG, jax.random.key(1), std=0.1)
+
+
+def spec_engine(params, spec, **kw):
+    return ik.Engine(SPEC_CFG, params, ik.EngineConfig(**{**ENGINE_KW, "spec_steps": spec, **kw}))
+
+
+def prompts_from(seed, lengths):
+    rng = np.random.RandomState(seed)
+    return [list(rng.randint(3, SPEC_CFG.unpadded_vocab_size, n)) for n in lengths]
+
+
+def run_with_compactions(engine, prompts, sp):
+    """generate(), forcing compaction of every hole between rounds."""
+    reqs = engine.submit(prompts, sp)
+    while engine.running or engine.waiting:
+        engine.step()
+        engine.pool.compact()
+        engine._sync_pool()
+        engine.check_invariants()
+    return reqs
+
+
+def slot_fields(engine, virtual, depth):
+    """Every field of a slot; ring rows reordered to positions [depth - W, depth)."""
+    lay = engine.layout
+    phys = jnp.asarray([engine.pool.physical_slot(virtual)])
+    out = {}
+    for tag, blocks in (("target", lay.target), ("draft", lay.draft)):
+        for i, fs in enumerate(blocks):
+            for name in ("conv", "ring", "hidden"):
+                f = getattr(fs, name)
+                if f is None:
+                    continue
+                v = np.asarray(read_field(engine.state.arena, lay, slot_rows(lay, phys, f), f))
+                if name == "ring":
+                    v = v[:, [p % lay.ring for p in range(depth - SPEC_CFG.sliding_window, depth)]]
+                out[f"{tag}{i}.{name}"] = v
+    return out
+
+
+# ------------------------------------------------------------------ the chain math
+
+
+def test_mtp_chain_matches_hf_decoder_layer(spec_params, torch_threads):
+    """§6 evaluated directly in torch, with HF's own InklingDecoderLayer as each depth's
+    block: z = input_proj([hidden_norm(h), enorm(embed_norm(E[t]))]), y = block(z), h' = y,
+    logits = (h' / mup) @ unembed; tokens past the sequence are the previous greedy picks."""
+    import torch
+    from transformers.models.inkling.configuration_inkling import InklingTextConfig
+    from transformers.models.inkling.modeling_inkling import InklingDecoderLayer
+    from inkling_jax.weights import _layer_entries
+
+    cfg, params = SPEC_CFG, spec_params
+    tokens = prompts_from(3, (14,))[0]
+    t = len(tokens)
+    hidden = _HIDDEN(params, np.asarray([tokens]))
+    ours, _ = _MTP(params, hidden, np.asarray([tokens]))
+
+    tt = lambda x: torch.tensor(np.asarray(x, np.float32))
+
+    def rms(x, w):
+        return w * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps)
+
+    embed, unembed = tt(params["embed"]), tt(params["unembed"])
+    h = tt(hidden[0])
+    logits_prev = (h / cfg.logits_mup_width_multiplier) @ unembed
+    known = list(tokens)
+    for d in range(cfg.num_mtp_layers):
+        g = cfg.mtp_geometry(d)
+        layer_cfg = dict(cfg.to_hf()["text_config"], num_hidden_layers=1, local_layer_ids=[0] if g.is_sliding else [],
+                         layer_types=["hybrid_sliding" if g.is_sliding else "hybrid"], mlp_layer_types=["dense"],
+                         sliding_window_size=g.window or cfg.sliding_window)
+        layer_cfg.pop("model_type")
+        layer = InklingDecoderLayer(InklingTextConfig(**layer_cfg), 0).eval()
+        state = {}
+        for e in _layer_entries(cfg, (), "", g, True, "transformers", True):
+            leaf = params["mtp"]["layers"][d]["block"]
+            for k in e.path:
+                leaf = leaf[k]
+            for name, value in zip(e.names, e.to_tensors(np.asarray(leaf))):
+                state[name] = torch.tensor(np.asarray(value, np.float32))
+        missing, unexpected = layer.load_state_dict(state, strict=False)
+        assert not unexpected and not [m for m in missing if "e_score" not in m]
+        p = params["mtp"]["layers"][d]
+        known.append(int(torch.argmax(logits_prev[-1])))
+        step_tokens = known[d + 1:d + 1 + t]
+        e_vec = rms(embed[step_tokens], tt(params["embed_norm"]))
+        z = torch.cat([rms(h, tt(p["hidden_norm"])), rms(e_vec, tt(p["embed_norm"]))], -1) @ tt(p["input_proj"])
+        q_pos = torch.arange(t)
+        allowed = (q_pos[:, None] >= q_pos[None, :])
+        if g.is_sliding:
+            allowed &= (q_pos[:, None] - q_pos[None, :]) < g.window
+        mask = torch.where(allowed, 0.0, torch.finfo(torch.float32).min)[None, None]
+        with torch.no_grad():
+            y = layer(z[None], attention_mask=mask)[0]
+        h = y
+        logits_prev = (h / cfg.logits_mup_width_multiplier) @ unembed
+        ref = logits_prev[:, :cfg.unpadded_vocab_size].numpy()
+        np.testing.assert_allclose(np.asarray(ours[d, 0]), ref, rtol=0, atol=1e-4 * np.abs(ref).max(),
+                                   err_msg=f"depth {d}")
+
+
+# -------------------------------------------------------------- engine behaviour
+
+
+@pytest.mark.parametrize("spec, pool, ping_pong", [(1, "unified", "eager"), (2, "static", "lazy"),
+                                                   (3, "unified", "lazy"), (3, "static", "eager")])
+def test_spec_greedy_equals_plain(spec_params, spec, pool, ping_pong):
+    """Greedy output with speculation equals greedy output without it, token for token, for
+    mixed prompts, with the prefix cache on, compactions forced between rounds, and a second
+    pass that hits the cache."""
+    prompts = prompts_from(5, (5, 19, 11, 26))
+    sp = ik.SamplingParams(max_new_tokens=14, stop_at_eos=False)
+    plain = spec_engine(spec_params, 0, pool=pool, ping_pong=ping_pong).generate(prompts, sp)
+    engine = spec_engine(spec_params, spec, pool=pool, ping_pong=ping_pong)
+    for rnd in range(2):
+        reqs = run_with_compactions(engine, prompts, sp)
+        assert [r.out_tokens for r in reqs] == [c.tokens for c in plain], f"round {rnd}"
+        for r, c in zip(reqs, plain):
+            np.testing.assert_allclose(r.out_logprobs, c.logprobs, rtol=0, atol=1e-4)
+    st = engine.stats()
+    assert st["verify_steps"] > 0 and st["cache_hit_tokens"] > 0
+    assert len(st["depth_acceptance"]) == spec
+
+
+def oracle(truth: dict, spec: int, corrupt_at: int | None):
+    """Draft source: the true continuation (from a plain run), wrong at index corrupt_at."""
+    def drafts(r, proposed):
+        full = truth[tuple(r.tokens[:r.prompt_len])]
+        nxt = list(full[r.committed + 1:r.committed + 1 + spec])
+        nxt += [3] * (spec - len(nxt))
+        if corrupt_at is not None and corrupt_at < spec:
+            nxt[corrupt_at] = (nxt[corrupt_at] + 1) % SPEC_CFG.unpadded_vocab_size
+        return nxt
+    return drafts
+
+
+def test_every_accept_length_commits_the_plain_state(spec_params):
+    """Oracle drafts corrupted at index k give accept length k (0..S): outputs equal the plain
+    run's, and the checkpoint each run leaves at depth 24 holds the plain run's target state
+    (conv windows and sliding K/V) within float32 rounding; the draft state does not depend
+    on how many drafts were accepted along the way."""
+    spec = 3
+    prompt = prompts_from(6, (13,))[0]
+    sp = ik.SamplingParams(max_new_tokens=16, stop_at_eos=False)
+    plain_engine = spec_engine(spec_params, 0)
+    plain = plain_engine.generate([prompt], sp)[0]
+    truth = {tuple(prompt): prompt + plain.tokens}
+    depth = 24
+    ref = slot_fields(plain_engine, plain_engine.tree.match(truth[tuple(prompt)], depth).node.checkpoint, depth)
+    drafts_by_k = {}
+    for k in range(spec + 1):
+        engine = spec_engine(spec_params, spec)
+        engine.draft_override = oracle(truth, spec, k)
+        out = engine.generate([prompt], sp)[0]
+        assert out.tokens == plain.tokens
+        np.testing.assert_allclose(out.logprobs, plain.logprobs, rtol=0, atol=1e-4)
+        st = engine.stats()
+        if k < spec:  # every round accepts exactly k (the last may be capped by max_new_tokens)
+            assert st["depth_acceptance"][k] == 0 and (k == 0 or st["depth_acceptance"][k - 1] > 0.7)
+        else:
+            assert st["mean_accept_length"] > spec
+        match = engine.tree.match(truth[tuple(prompt)], depth)
+        assert match.depth == depth
+        got = slot_fields(engine, match.node.checkpoint, depth)
+        for name, value in ref.items():
+            np.testing.assert_allclose(got[name], value, rtol=0, atol=STATE_ATOL, err_msg=f"k={k} {name}")
+        drafts_by_k[k] = {n: v for n, v in got.items() if n.startswith("draft")}
+        engine.check_invariants()
+    for k in range(1, spec + 1):
+        for name, value in drafts_by_k[0].items():
+            np.testing.assert_allclose(drafts_by_k[k][name], value, rtol=0, atol=STATE_ATOL, err_msg=name)
+
+
+def test_engine_drafts_are_the_mtp_chain(spec_params):
+    """After prefill the drafts are the MTP chain's greedy picks at the prompt's last row."""
+    spec = 3
+    prompt = prompts_from(7, (17,))[0]
+    engine = spec_engine(spec_params, spec)
+    req = engine.submit([prompt], ik.SamplingParams(max_new_tokens=8, stop_at_eos=False))[0]
+    while not req.out_tokens:
+        engine.step()
+    hidden = _HIDDEN(spec_params, np.asarray([prompt]))
+    logits, _ = _MTP(spec_params, hidden, np.asarray([prompt]))
+    assert req.drafts == [int(np.argmax(logits[d, 0, -1])) for d in range(spec)]
+
+
+def test_prefix_hit_after_spec_restores_target_and_draft(spec_params):
+    """A checkpoint written during speculative rounds restores target and draft state: a
+    cached run proposes exactly the drafts and accepts exactly what an uncached run does."""
+    spec = 2
+    prompt = prompts_from(8, (11,))[0]
+    sp = ik.SamplingParams(max_new_tokens=26, stop_at_eos=False)
+    engine = spec_engine(spec_params, spec)
+    first = engine.generate([prompt], sp)[0]
+    history = prompt + first.tokens
+    continuation = history[:34] + [5, 6, 7]
+    seen = []
+
+    def record(r, d):
+        seen.append(tuple(d))
+        return d
+    engine.draft_override = record
+    hit = engine.generate([continuation], ik.SamplingParams(max_new_tokens=10, stop_at_eos=False))[0]
+    assert hit.cached_tokens == 32  # the checkpoint the speculative rounds left last (interval 8)
+    fresh = spec_engine(spec_params, spec, prefix_cache=False)
+    seen_fresh = []
+    fresh.draft_override = lambda r, d: (seen_fresh.append(tuple(d)), d)[1]
+    ref = fresh.generate([continuation], ik.SamplingParams(max_new_tokens=10, stop_at_eos=False))[0]
+    assert hit.tokens == ref.tokens
+    assert seen == seen_fresh  # the restored draft state drafts as the uncached one does
+    engine.check_invariants()
+
+
+def test_spec_sampling_matches_the_target_distribution(spec_params):
+    """temperature > 0: the second generated token (the first one that goes through a verify
+    round) follows the target's marginal distribution: chi-square over many samples."""
+    from scipy import stats
+
+    spec = 1
+    prompt = prompts_from(9, (6,))[0]
+    temp = 1.0
+    sp = lambda seed: ik.SamplingParams(max_new_tokens=2, temperature=temp, seed=seed, stop_at_eos=False)
+    engine = spec_engine(spec_params, spec, prefix_cache=False)
+    n = 1024
+    reqs = engine.submit([prompt] * n, sp(0))
+    while engine.running or engine.waiting:
+        engine.step()
+    assert engine.stats()["verify_steps"] > 0
+    second = np.array([r.out_tokens[1] for r in reqs])
+    first = np.array([r.out_tokens[0] for r in reqs])
+    # the exact marginal of token 2: sum_t1 p(t1) p(t2 | t1)
+    v = SPEC_CFG.unpadded_vocab_size
+    logits1 = np.asarray(_FWD(spec_params, np.asarray([prompt])))[0, -1]
+    p1 = np.exp(logits1 - logits1.max())
+    p1 /= p1.sum()
+    t1s = np.unique(first)
+    batch = np.asarray([prompt + [t] for t in range(v)])
+    logits2 = np.asarray(_FWD(spec_params, batch))[:, -1]
+    p2 = np.exp(logits2 - logits2.max(-1, keepdims=True))
+    p2 /= p2.sum(-1, keepdims=True)
+    marginal = p1 @ p2
+    # pool rare tokens so every expected count is >= 5
+    order = np.argsort(-marginal)
+    expected = marginal[order] * n
+    keep = expected >= 5
+    observed = np.bincount(second, minlength=v)[order]
+    f_obs = np.append(observed[keep], observed[~keep].sum())
+    f_exp = np.append(expected[keep], expected[~keep].sum())
+    assert len(t1s) > 10  # the first token really varied
+    chi2, pval = stats.chisquare(f_obs, f_exp)
+    assert pval > 1e-3, (chi2, pval)
