@@ -471,14 +471,14 @@ def plot_isolation(report: IsolationReport, rows: Sequence[int] | None = None, f
         ax.set_ylim(lo, hi)
         ax.set_xlim(-0.5, u - 0.5)
         ax.set_ylabel(f"row {r}")
-    axes[0].legend(handles=[Patch(color="tab:green", alpha=0.4, label="its own slot / pages"),
-                            Patch(color="0.6", alpha=0.5, label="other requests' slots / pages"),
-                            Patch(color="tab:red", label="gradient outside its own rows (leak)")],
-                   loc="lower center", bbox_to_anchor=(0.5, 1.15), ncol=3, fontsize=8, frameon=False)
-    axes[0].set_title("|d logits_r / d arena row| (max over the row's elements; exact zeros not drawn)", pad=28)
+    fig.suptitle("|d logits_r / d arena row| (max over the row's elements; exact zeros not drawn)", fontsize=10)
+    fig.legend(handles=[Patch(color="tab:green", alpha=0.4, label="its own slot / pages"),
+                        Patch(color="0.6", alpha=0.5, label="other requests' slots / pages, checkpoint slots"),
+                        Patch(color="tab:red", label="gradient outside its own rows: a leak")],
+               loc="upper center", bbox_to_anchor=(0.5, 0.955), ncol=3, fontsize=8, frameon=False)
     axes[-1].set_xlabel("arena row (unit): slots from 0 upwards (slot 0: the sink), pages from the top down "
                         "(the top row: the sink page)")
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 0.93))
     return fig
 
 

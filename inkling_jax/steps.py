@@ -31,6 +31,7 @@ row e - 1 is the draft for t_{e+d+1}.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any, Callable
@@ -280,23 +281,38 @@ class StepContext:
         return ring[:, :, 0], ring[:, :, 1], pos, valid, ring
 
     def _write_ring(self, arena: Array, meta: RowMeta, f, old_ring: Array, kv: Array) -> Array:
-        """Active ring: the old ring with the first commit_len new tokens written (the last R
-        of them); checkpoint ring: the same with the first track_len tokens."""
+        """Active ring: the first commit_len new tokens written into their rows (the last R
+        of them); checkpoint ring: the old ring with the first track_len tokens written."""
         lay = self.layout
         r = lay.ring
         b = meta.seq_start.shape[0]
-        old = jnp.where(meta.has_state[:, None, None, None, None], old_ring, 0)
-        kv = kv.astype(old.dtype)  # [T, 2, nkv, hd]
         row, off = meta.token_row, meta.token_offset
         slot_idx = jnp.mod(self.positions, r)
         n = meta.commit_len[row]
         keep = (off < n) & (off >= n - r)
-        new = old.at[jnp.where(keep, row, b), slot_idx].set(kv, mode="drop")
-        arena = write_field(arena, lay, slot_rows(lay, meta.active, f), f, new)
-        tl = meta.track_len[row]
-        tkeep = (off < tl) & (off >= tl - r)
-        ck = old.at[jnp.where(tkeep, row, b), slot_idx].set(kv, mode="drop")
-        return write_field(arena, lay, slot_rows(lay, meta.track_dest, f), f, ck)
+        row_elems = math.prod(f.shape[1:])  # one ring row: [2, kv_heads, head_dim]
+        if lay.unit_elems % row_elems == 0:
+            # each ring row sits inside one unit: scatter just the new rows, in place
+            per_unit = lay.unit_elems // row_elems
+            unit = meta.active[row] * lay.slot_units + f.unit_offset + slot_idx // per_unit
+            unit = jnp.where(keep, unit, arena.shape[0])  # dropped
+            view = arena.reshape(arena.shape[0], per_unit, row_elems)
+            arena = view.at[unit, slot_idx % per_unit].set(kv.reshape(kv.shape[0], -1).astype(arena.dtype),
+                                                           mode="drop").reshape(arena.shape)
+        else:
+            old = jnp.where(meta.has_state[:, None, None, None, None], old_ring, 0)
+            new = old.at[jnp.where(keep, row, b), slot_idx].set(kv.astype(old.dtype), mode="drop")
+            arena = write_field(arena, lay, slot_rows(lay, meta.active, f), f, new)
+
+        def checkpoint(arena):
+            old = jnp.where(meta.has_state[:, None, None, None, None], old_ring, 0)
+            tl = meta.track_len[row]
+            tkeep = (off < tl) & (off >= tl - r)
+            ck = old.at[jnp.where(tkeep, row, b), slot_idx].set(kv.astype(old.dtype), mode="drop")
+            return write_field(arena, lay, slot_rows(lay, meta.track_dest, f), f, ck)
+
+        # most steps checkpoint no row: skip the whole-ring copy then
+        return jax.lax.cond(jnp.any(meta.track_dest > 0), checkpoint, lambda a: a, arena)
 
 
 # ------------------------------------------------------------------------ sampling

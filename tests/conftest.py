@@ -6,6 +6,9 @@ from __future__ import annotations
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# The suite is dominated by XLA:CPU compiles of small programs; LLVM's backend optimisations
+# roughly double compile time and buy nothing at these sizes.
+os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0")
 
 import numpy as np
 import pytest
