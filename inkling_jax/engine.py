@@ -132,6 +132,7 @@ class Request:
     out_logprobs: list[float] = field(default_factory=list)
     finish_reason: str | None = None
     drafts: list[int] = field(default_factory=list)  # speculative: the next round's draft tokens
+    accept_lengths: list[int] = field(default_factory=list)  # speculative: drafts accepted per verify round
     seed: int = 0
     submitted: float = 0.0
     first_token_at: float | None = None
@@ -551,6 +552,7 @@ class Engine:
                 r.committed += a + 1
                 for tok, lp in zip(emitted, lps):
                     self._emit(r, tok, lp, now)
+                r.accept_lengths.append(a)
                 self._stats["verify_rows"] += 1
                 self._stats["accepted_draft_tokens"] += a
                 for d in range(a):

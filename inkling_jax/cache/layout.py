@@ -48,7 +48,7 @@ class Field:
 class LayerSlotFields:
     conv: Field  # [K-1, C] with C = kv_dim (k) + kv_dim (v) + H (attn) + H (mlp)
     ring: Field | None  # sliding layers: [ring, 2, kv_heads, head_dim]
-    hidden: Field | None  # MTP depths: [H], the hidden state carried to the next depth
+    hidden: Field | None  # MTP depths but the last: [H], the hidden state carried to the next depth
 
 
 @dataclass(frozen=True)
@@ -92,7 +92,8 @@ class ArenaLayout:
 
         target = tuple(layer_fields(cfg.layer_geometry(i), False) for i in range(cfg.num_layers))
         draft_start = cursor
-        draft = tuple(layer_fields(cfg.mtp_geometry(d), True) for d in range(spec_steps))
+        # the last depth hands its hidden to no one: no carry field
+        draft = tuple(layer_fields(cfg.mtp_geometry(d), d < spec_steps - 1) for d in range(spec_steps))
         slot_units = cursor
 
         page_layer = 0
