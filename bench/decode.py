@@ -74,8 +74,8 @@ def log(msg: str) -> None:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--smoke", action="store_true", help="tiny config on CPU (Pallas interpret mode, HF on CPU)")
+    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n")[:2]))
+    p.add_argument("--smoke", action="store_true", help="tiny config, fp32, on CPU (jnp steps; HF on CPU)")
     p.add_argument("--out", default="", help="also write the markdown tables to this file")
     p.add_argument("--batches", default="", help="decode batch sizes (default 1,8,32,128)")
     p.add_argument("--contexts", default="", help="decode contexts in tokens (default 1024,4096)")
@@ -87,8 +87,8 @@ def parse_args(argv=None):
                    help="smoke: also run the Pallas-vs-jnp decode check (interpret mode: slow to compile on a CPU)")
     p.add_argument("--workers", type=int, default=0, help="compile threads (default min(shapes, cpus))")
     p.add_argument("--budget", type=float, default=0,
-                   help="seconds; the HF speed runs are skipped past it, the eager-experts ones 120 s before (default 480)")
-    p.add_argument("--cache-dir", default="", help="jax persistent compilation cache (compile times are then cache hits)")
+                   help="seconds; HF speed runs are skipped past it, the eager-experts ones 120 s before (default 480)")
+    p.add_argument("--cache-dir", default="", help="jax persistent compilation cache (compile times: cache hits)")
     p.add_argument("--trace", default="", help="write a jax profiler trace of a few decode steps per shape here")
     return p.parse_args(argv)
 

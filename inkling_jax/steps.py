@@ -199,7 +199,7 @@ class StepContext:
         c = self.fields.conv.shape[1]
         h = self.cfg.hidden_size
         kv = (c - 2 * h) // 2
-        start = {"k": 0, "v": kv, "attn": 2 * kv, "mlp": 2 * kv + h}[stream]
+        start = {"k": 0, "kv": 0, "v": kv, "attn": 2 * kv, "mlp": 2 * kv + h}[stream]
         return start, start + width
 
     def conv(self, stream: str, x: Array, weight: Array) -> Array:
@@ -227,11 +227,8 @@ class StepContext:
             ctx_k, ctx_v, ctx_pos, ctx_valid, old_ring = self._ring_keys(geom)
         else:
             ctx_k, ctx_v, ctx_pos, ctx_valid = self._page_keys(geom)
-        keys = jnp.concatenate([ctx_k, kp], axis=1)
-        values = jnp.concatenate([ctx_v, vp], axis=1)
-        k_pos = jnp.concatenate([ctx_pos, q_pos], axis=1)
-        k_valid = jnp.concatenate([ctx_valid, q_valid], axis=1)
-        out = L.attention_core(qp, keys, values, rp, rel_proj, q_pos, k_pos, k_valid, geom, self.cfg)
+        out = L.attention_core(qp, (ctx_k, kp), (ctx_v, vp), rp, rel_proj, q_pos, (ctx_pos, q_pos),
+                               (ctx_valid, q_valid), geom, self.cfg)
 
         if geom.is_sliding:
             f = self.fields.ring
@@ -325,14 +322,19 @@ def sample_tokens(logits: Float[Array, "b v"], temperature: Array, top_k: Array,
     logits = logits.astype(jnp.float32)
     logp = jax.nn.log_softmax(logits, axis=-1)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    filt = _filtered(logits, temperature, top_k, top_p)
 
-    def draw(s, p, row):
-        key = jax.random.fold_in(jax.random.key(s.astype(jnp.uint32)), p)
-        return jax.random.categorical(key, row)
+    def sample(_):
+        filt = _filtered(logits, temperature, top_k, top_p)
 
-    sampled = jax.vmap(draw)(seed, position, filt).astype(jnp.int32)
-    tokens = jnp.where(temperature > 0, sampled, greedy)
+        def draw(s, p, row):
+            key = jax.random.fold_in(jax.random.key(s.astype(jnp.uint32)), p)
+            return jax.random.categorical(key, row)
+
+        sampled = jax.vmap(draw)(seed, position, filt).astype(jnp.int32)
+        return jnp.where(temperature > 0, sampled, greedy)
+
+    # an all-greedy batch (the common case) skips the sort and the draws
+    tokens = jax.lax.cond(jnp.any(temperature > 0), sample, lambda _: greedy, None)
     return tokens, jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
 
 
@@ -429,7 +431,9 @@ def _prepare(params, state, batch, layout, use_pallas, interpret):
     phys_track = translate_slots(state, batch.track_slot)
     phys_pages = translate_pages(state, batch.pages)
     phys_cow = translate_slots(state, batch.cow_src)
-    arena = ops.copy_slot_units(state.arena, layout, phys_cow, jnp.where(phys_cow > 0, phys_slot, 0))
+    arena = jax.lax.cond(jnp.any(phys_cow > 0),
+                         lambda a: ops.copy_slot_units(a, layout, phys_cow, jnp.where(phys_cow > 0, phys_slot, 0)),
+                         lambda a: a, state.arena)
     return ops, phys_slot, phys_track, phys_pages, arena
 
 

@@ -89,13 +89,13 @@ def log_scaling_tau(positions: Int[Array, "..."], cfg: InklingConfig) -> Float[A
 
 def attention_core(
     q: Float[Array, "b tq nh hd"],
-    k: Float[Array, "b tk nkv hd"],
-    v: Float[Array, "b tk nkv hd"],
+    k: Float[Array, "b tk nkv hd"] | tuple[Array, ...],
+    v: Float[Array, "b tk nkv hd"] | tuple[Array, ...],
     r: Float[Array, "b tq nh dr"],
     rel_proj: Float[Array, "dr e"],
     q_pos: Int[Array, "b tq"],
-    k_pos: Int[Array, "b tk"],
-    k_valid: Bool[Array, "b tk"],
+    k_pos: Int[Array, "b tk"] | tuple[Array, ...],
+    k_valid: Bool[Array, "b tk"] | tuple[Array, ...],
     geom: AttentionGeometry,
     cfg: InklingConfig,
 ) -> Float[Array, "b tq nh hd"]:
@@ -105,39 +105,53 @@ def attention_core(
     with the learned relative bias zero outside [0, rel_extent); causal mask plus the sliding
     window (pos_q - pos_k <= window - 1) on local layers; invalid keys (k_valid False) masked.
     Full layers with log scaling multiply q and the bias by tau(pos_q). Softmax in fp32.
-    A query with no valid key returns zeros."""
+    A query with no valid key returns zeros.
+
+    k, v, k_pos and k_valid may be tuples of key blocks (e.g. cached context and the step's
+    own tokens): scores are concatenated, not the (much larger) keys and values."""
+    if not isinstance(k, tuple):
+        k, v, k_pos, k_valid = (k,), (v,), (k_pos,), (k_valid,)
     dtype = q.dtype
     b, tq, nh, hd = q.shape
-    nkv = k.shape[2]
+    nkv = k[0].shape[2]
     group = nh // nkv
 
     rel = jnp.einsum("bqhr,re->bqhe", r, rel_proj.astype(r.dtype), preferred_element_type=jnp.float32).astype(dtype)
-    dist = q_pos[:, :, None] - k_pos[:, None, :]  # [b, tq, tk]
-    in_extent = (dist >= 0) & (dist < geom.rel_extent)
-    gather_idx = jnp.clip(dist, 0, geom.rel_extent - 1)
-    bias = jnp.take_along_axis(rel, jnp.broadcast_to(gather_idx[:, :, None, :], (b, tq, nh, dist.shape[-1])), axis=-1)
-    bias = jnp.where(in_extent[:, :, None, :], bias, jnp.zeros((), dtype))  # [b, tq, nh, tk]
-
-    if geom.log_scaling:
-        tau = log_scaling_tau(q_pos, cfg)  # [b, tq]
+    tau = log_scaling_tau(q_pos, cfg) if geom.log_scaling else None
+    if tau is not None:
         q = (q.astype(jnp.float32) * tau[:, :, None, None]).astype(dtype)
-        bias = (bias.astype(jnp.float32) * tau[:, :, None, None]).astype(dtype)
-
-    allowed = k_valid[:, None, :] & (dist >= 0)
-    if geom.window is not None:
-        allowed = allowed & (dist < geom.window)
-
     qg = q.reshape(b, tq, nkv, group, hd)
-    scores = jnp.einsum("bqngd,bknd->bngqk", qg, k, preferred_element_type=jnp.float32) * (1.0 / hd)
-    scores = scores + bias.astype(jnp.float32).reshape(b, tq, nkv, group, -1).transpose(0, 2, 3, 1, 4)
-    mask = allowed[:, None, None, :, :]
+
+    scores, masks = [], []
+    for kb, pb, vb in zip(k, k_pos, k_valid):
+        dist = q_pos[:, :, None] - pb[:, None, :]  # [b, tq, tk]
+        in_extent = (dist >= 0) & (dist < geom.rel_extent)
+        gather_idx = jnp.clip(dist, 0, geom.rel_extent - 1)
+        bias = jnp.take_along_axis(rel, jnp.broadcast_to(gather_idx[:, :, None, :], (b, tq, nh, dist.shape[-1])),
+                                   axis=-1)
+        bias = jnp.where(in_extent[:, :, None, :], bias, jnp.zeros((), dtype))  # [b, tq, nh, tk]
+        if tau is not None:
+            bias = (bias.astype(jnp.float32) * tau[:, :, None, None]).astype(dtype)
+        allowed = vb[:, None, :] & (dist >= 0)
+        if geom.window is not None:
+            allowed = allowed & (dist < geom.window)
+        sc = jnp.einsum("bqngd,bknd->bngqk", qg, kb, preferred_element_type=jnp.float32) * (1.0 / hd)
+        scores.append(sc + bias.astype(jnp.float32).reshape(b, tq, nkv, group, -1).transpose(0, 2, 3, 1, 4))
+        masks.append(allowed[:, None, None, :, :])
+    sizes = [sc.shape[-1] for sc in scores]
+    scores = jnp.concatenate(scores, axis=-1)
+    mask = jnp.concatenate(masks, axis=-1)
     scores = jnp.where(mask, scores, -jnp.inf)
     any_valid = jnp.any(mask, axis=-1, keepdims=True)
     scores = jnp.where(any_valid, scores, 0.0)
-    probs = jax.nn.softmax(scores, axis=-1)
-    probs = jnp.where(mask, probs, 0.0).astype(dtype)
-    out = jnp.einsum("bngqk,bknd->bqngd", probs, v, preferred_element_type=jnp.float32).astype(dtype)
-    return out.reshape(b, tq, nh, hd)
+    probs = jnp.where(mask, jax.nn.softmax(scores, axis=-1), 0.0).astype(dtype)
+    out = None
+    start = 0
+    for vb, n in zip(v, sizes):
+        part = jnp.einsum("bngqk,bknd->bqngd", probs[..., start:start + n], vb, preferred_element_type=jnp.float32)
+        out = part if out is None else out + part
+        start += n
+    return out.astype(dtype).reshape(b, tq, nh, hd)
 
 
 def split_qkvr(p: Params, x: Array, geom: AttentionGeometry, cfg: InklingConfig) -> tuple[Array, Array, Array, Array]:
@@ -153,8 +167,9 @@ def attention_block(p: Params, cfg: InklingConfig, geom: AttentionGeometry, x: A
     """Projections, k/v short convs, q/k RMSNorm, attention through ctx, output projection."""
     lead = x.shape[:-1]
     q, k, v, r = split_qkvr(p, x, geom, cfg)
-    k = ctx.conv("k", k, p["k_conv"])
-    v = ctx.conv("v", v, p["v_conv"])
+    # k and v convs are depthwise and adjacent in the conv state: one call over both
+    kv = ctx.conv("kv", jnp.concatenate([k, v], axis=-1), jnp.concatenate([p["k_conv"], p["v_conv"]], axis=-1))
+    k, v = kv[..., :geom.kv_dim], kv[..., geom.kv_dim:]
     q = rms_norm(q.reshape(*lead, geom.num_heads, geom.head_dim), p["q_norm"], cfg.rms_norm_eps)
     k = rms_norm(k.reshape(*lead, geom.num_kv_heads, geom.head_dim), p["k_norm"], cfg.rms_norm_eps)
     v = v.reshape(*lead, geom.num_kv_heads, geom.head_dim)
@@ -247,7 +262,9 @@ def moe_mlp(p: Params, cfg: InklingConfig, x: Array, experts_impl: str = "auto")
     idx, w, gamma = route(p, cfg, flat)
     n = flat.shape[0]
     if experts_impl == "auto":
-        experts_impl = "gather" if n * cfg.num_experts_per_tok <= cfg.n_routed_experts else "dense"
+        # gathering copies each selected expert (read, write, read again): cheaper than reading
+        # every expert once only while 3 * n * k < E
+        experts_impl = "gather" if 3 * n * cfg.num_experts_per_tok <= cfg.n_routed_experts else "dense"
     fn = moe_experts_gather if experts_impl == "gather" else moe_experts_dense
     out = fn(flat, idx, w, p["w13"], p["w2"]).astype(jnp.float32)
     if cfg.n_shared_experts > 0:
