@@ -292,7 +292,12 @@ def _grad_check(fn_kernel, fn_ref, primals, argnums, what):
     g_k = jax.jit(jax.grad(fn_kernel, argnums))(*primals)
     g_r = jax.jit(jax.grad(fn_ref, argnums))(*primals)
     for i, (a, b) in enumerate(zip(g_k, g_r)):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f"{what}: grad {i}")
+        if INTERPRET:
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f"{what}: grad {i}")
+        else:  # compiled on a GPU, the two backward programs are scheduled (and rounded) separately
+            scale = max(1.0, float(np.abs(np.asarray(b)).max()))
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-5 * scale,
+                                       err_msg=f"{what}: grad {i}")
 
 
 def test_gradients_match_reference():
@@ -306,7 +311,8 @@ def test_gradients_match_reference():
     w = jnp.asarray(rng.standard_normal((4, width)), jnp.float32)
     meta = random_meta(rng, 3, 10, 3, decode=False, q=6)
     probe_y = jnp.asarray(rng.standard_normal(x.shape), jnp.float32)
-    probe_a = jnp.asarray(rng.standard_normal(arena.shape), jnp.float32)
+    # the sink's contents are arbitrary (padded rows race for it): the loss ignores it
+    probe_a = jnp.asarray(rng.standard_normal(arena.shape), jnp.float32).at[:lay.slot_units].set(0.0)
 
     def loss(update):
         def fn(a, xx, ww):
@@ -376,7 +382,8 @@ def test_fallback_returns_reference(monkeypatch):
     y, a = pconv.conv_update(arena, lay, f, ch, x, w, meta, interpret=INTERPRET)
     y_ref, a_ref = ref_conv.conv_update(arena, lay, f, ch, x, w, meta)
     assert_bits(y, y_ref, "y")
-    assert_bits(a, a_ref, "arena (the reference writes the sink too)")
+    # outside the sink (several padded rows write it; on a GPU which write lands is arbitrary)
+    assert_bits(a[lay.slot_units:], a_ref[lay.slot_units:], "arena")
 
 
 # ---------------------------------------------------------------------- GPU lowering

@@ -255,6 +255,30 @@ def moe_experts_gather(x: Float[Array, "n h"], idx: Array, weight: Array, w13: A
     return jnp.einsum("nk,nkh->nh", weight.astype(jnp.float32), y).astype(x.dtype)
 
 
+def moe_experts_slices(x: Float[Array, "n h"], idx: Array, weight: Array, w13: Array, w2: Array) -> Array:
+    """Routed experts for a handful of tokens: one dynamic slice of each selected expert's
+    matrices per (token, choice), a static loop of n * k matrix-vector products."""
+    n, k = idx.shape
+    rows = []
+    for t in range(n):
+        acc = jnp.zeros((x.shape[-1],), jnp.float32)
+        for j in range(k):
+            e = idx[t, j]
+            g13 = jax.lax.dynamic_index_in_dim(w13, e, keepdims=False).astype(x.dtype)  # [h, 2f]
+            gu = jnp.matmul(x[t], g13, preferred_element_type=jnp.float32)
+            half = gu.shape[-1] // 2
+            act = (jax.nn.silu(gu[:half]) * gu[half:]).astype(x.dtype)
+            g2 = jax.lax.dynamic_index_in_dim(w2, e, keepdims=False).astype(x.dtype)  # [f, h]
+            y = jnp.matmul(act, g2, preferred_element_type=jnp.float32).astype(x.dtype).astype(jnp.float32)
+            acc = acc + weight[t, j].astype(jnp.float32) * y
+        rows.append(acc)
+    return jnp.stack(rows).astype(x.dtype)
+
+
+MOE_IMPLS = {"dense": lambda *a: moe_experts_dense(*a), "gather": lambda *a: moe_experts_gather(*a),
+             "slices": lambda *a: moe_experts_slices(*a)}
+
+
 def moe_mlp(p: Params, cfg: InklingConfig, x: Array, experts_impl: str = "auto") -> Array:
     """MoE: routed top-k experts plus shared experts (sink-weighted or plain)."""
     lead = x.shape[:-1]
@@ -262,10 +286,10 @@ def moe_mlp(p: Params, cfg: InklingConfig, x: Array, experts_impl: str = "auto")
     idx, w, gamma = route(p, cfg, flat)
     n = flat.shape[0]
     if experts_impl == "auto":
-        # gathering copies each selected expert (read, write, read again): cheaper than reading
-        # every expert once only while 3 * n * k < E
-        experts_impl = "gather" if 3 * n * cfg.num_experts_per_tok <= cfg.n_routed_experts else "dense"
-    fn = moe_experts_gather if experts_impl == "gather" else moe_experts_dense
+        # a few tokens read only their experts (a slice per choice); past 3 * n * k > E reading
+        # every expert once is cheaper
+        experts_impl = "slices" if 3 * n * cfg.num_experts_per_tok <= cfg.n_routed_experts else "dense"
+    fn = MOE_IMPLS[experts_impl]
     out = fn(flat, idx, w, p["w13"], p["w2"]).astype(jnp.float32)
     if cfg.n_shared_experts > 0:
         gu = jnp.einsum("nh,shf->snf", flat, p["shared_w13"].astype(flat.dtype), preferred_element_type=jnp.float32)
