@@ -431,9 +431,9 @@ def _prepare(params, state, batch, layout, use_pallas, interpret):
     phys_track = translate_slots(state, batch.track_slot)
     phys_pages = translate_pages(state, batch.pages)
     phys_cow = translate_slots(state, batch.cow_src)
-    arena = jax.lax.cond(jnp.any(phys_cow > 0),
-                         lambda a: ops.copy_slot_units(a, layout, phys_cow, jnp.where(phys_cow > 0, phys_slot, 0)),
-                         lambda a: a, state.arena)
+    # rows that restore nothing copy sink -> sink: a no-op for the Pallas copy (no lax.cond
+    # here: a conditional that may return the donated arena made XLA copy it whole at B = 1)
+    arena = ops.copy_slot_units(state.arena, layout, phys_cow, jnp.where(phys_cow > 0, phys_slot, 0))
     return ops, phys_slot, phys_track, phys_pages, arena
 
 
