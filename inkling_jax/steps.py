@@ -291,11 +291,13 @@ class StepContext:
         if lay.unit_elems % row_elems == 0:
             # each ring row sits inside one unit: scatter just the new rows, in place
             per_unit = lay.unit_elems // row_elems
-            unit = meta.active[row] * lay.slot_units + f.unit_offset + slot_idx // per_unit
-            unit = jnp.where(keep, unit, arena.shape[0])  # dropped
+            # masked tokens write the sink slot (a dropped out-of-bounds write would make XLA
+            # copy the whole arena around a one-token update)
+            slot = jnp.where(keep, meta.active[row], 0)
+            unit = slot * lay.slot_units + f.unit_offset + slot_idx // per_unit
             view = arena.reshape(arena.shape[0], per_unit, row_elems)
-            arena = view.at[unit, slot_idx % per_unit].set(kv.reshape(kv.shape[0], -1).astype(arena.dtype),
-                                                           mode="drop").reshape(arena.shape)
+            arena = view.at[unit, slot_idx % per_unit].set(
+                kv.reshape(kv.shape[0], -1).astype(arena.dtype)).reshape(arena.shape)
         else:
             old = jnp.where(meta.has_state[:, None, None, None, None], old_ring, 0)
             new = old.at[jnp.where(keep, row, b), slot_idx].set(kv.astype(old.dtype), mode="drop")
