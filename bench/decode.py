@@ -109,7 +109,7 @@ import inkling_jax as ik  # noqa: E402
 from inkling_jax.cache.layout import ArenaLayout  # noqa: E402
 from inkling_jax.cache.state import ServingState, page_rows, read_field, slot_rows  # noqa: E402
 from inkling_jax.model.params import is_shape, leaf_dtype, param_shapes  # noqa: E402
-from inkling_jax.steps import StepBatch, StepShape, check_batch, compile_step  # noqa: E402
+from inkling_jax.steps import StepBatch, StepShape, check_batch, compile_lowered, compile_step  # noqa: E402
 
 HEAD_STD = 0.2  # unembed std: logits O(1), so greedy picks are not near-ties in bf16
 
@@ -337,7 +337,7 @@ def compile_all(s: Setup, params, state, specs: list[tuple[StepShape, bool]], wo
     def comp(key, low, lower_s):
         t0 = time.perf_counter()
         try:
-            fn = low.compile()
+            fn = compile_lowered(low)
         except Exception as exc:  # noqa: BLE001 - report; the sections needing it say so
             traceback.print_exc()
             log(f"  FAILED to compile {label(*key)}: {type(exc).__name__}: {exc}")

@@ -31,7 +31,7 @@ from .cache.pool import PoolExhausted, UnitPool
 from .cache.prefix_tree import Node, PrefixTree
 from .cache.state import ServingState, init_state
 from .config import InklingConfig
-from .steps import StepBatch, StepShape, check_batch, compile_step
+from .steps import StepBatch, StepShape, check_batch, compile_lowered, compile_step
 
 
 @dataclass(frozen=True)
@@ -473,7 +473,7 @@ class Engine:
             if fn is None:
                 t0 = time.perf_counter()
                 jitted = compile_step(self.cfg, self.layout, shape, self.use_pallas, self.config.pallas_interpret)
-                fn = jitted.lower(self.params, self.state, self._dummy_batch(shape)).compile()
+                fn = compile_lowered(jitted.lower(self.params, self.state, self._dummy_batch(shape)))
                 self._stats["compile_seconds"] += time.perf_counter() - t0
                 _COMPILED[key] = fn
             self._stats["compiles"] += 1  # executables this engine needed (process-wide cache hits included)

@@ -182,6 +182,7 @@ class StepContext:
         self.positions = meta.seq_start[meta.token_row] + meta.token_offset  # [T]
         self.fields: LayerSlotFields | None = None
         self.page_layer: int | None = None
+        self.few_token_experts = ops.moe_experts  # read by layers.decoder_layer
 
     def bind(self, fields: LayerSlotFields, page_layer: int | None) -> "StepContext":
         self.fields, self.page_layer = fields, page_layer
@@ -264,7 +265,7 @@ class StepContext:
         t = k.shape[0]
         kv = jnp.stack([k, v], axis=1).reshape(t, -1).astype(self.arena.dtype)
         arena3 = self.arena.reshape(self.arena.shape[0], ps, -1)
-        self.arena = arena3.at[rows, offset].set(kv).reshape(self.arena.shape)
+        self.arena = set_rows(arena3, rows, offset, kv).reshape(self.arena.shape)
 
     def _ring_keys(self, geom: AttentionGeometry):
         lay, meta = self.layout, self.meta
@@ -296,8 +297,8 @@ class StepContext:
             slot = jnp.where(keep, meta.active[row], 0)
             unit = slot * lay.slot_units + f.unit_offset + slot_idx // per_unit
             view = arena.reshape(arena.shape[0], per_unit, row_elems)
-            arena = view.at[unit, slot_idx % per_unit].set(
-                kv.reshape(kv.shape[0], -1).astype(arena.dtype)).reshape(arena.shape)
+            arena = set_rows(view, unit, slot_idx % per_unit,
+                             kv.reshape(kv.shape[0], -1).astype(arena.dtype)).reshape(arena.shape)
         else:
             old = jnp.where(meta.has_state[:, None, None, None, None], old_ring, 0)
             new = old.at[jnp.where(keep, row, b), slot_idx].set(kv.astype(old.dtype), mode="drop")
@@ -312,6 +313,17 @@ class StepContext:
 
         # most steps checkpoint no row: skip the whole-ring copy then
         return jax.lax.cond(jnp.any(meta.track_dest > 0), checkpoint, lambda a: a, arena)
+
+
+def set_rows(view: Array, unit: Int[Array, "t"], sub: Int[Array, "t"], values: Array) -> Array:
+    """view[unit[i], sub[i]] = values[i] for a [units, rows, elems] view of the arena, every
+    index in bounds (masked tokens aim at a sink). One token (batch-1 decode) is a
+    dynamic-update-slice: XLA turns a one-index scatter into one that re-reads the target
+    to emulate out-of-bounds skipping, and that read made it copy the whole arena."""
+    if unit.shape[0] == 1:
+        zero = jnp.zeros((), unit.dtype)
+        return jax.lax.dynamic_update_slice(view, values[:, None].astype(view.dtype), (unit[0], sub[0], zero))
+    return view.at[unit, sub].set(values.astype(view.dtype), mode="promise_in_bounds")
 
 
 # ------------------------------------------------------------------------ sampling
@@ -577,3 +589,24 @@ def compile_step(cfg: InklingConfig, layout: ArenaLayout, shape: StepShape, use_
     """The jitted step for one (mode, bucket); the state argument is donated."""
     return jax.jit(partial(run_step, cfg=cfg, layout=layout, shape=shape, use_pallas=use_pallas, interpret=interpret),
                    donate_argnums=(1,))
+
+
+# XLA's GPU compiler sorts a single row (top-p sampling at batch 1) with CUB, which cannot be
+# captured in a command buffer (CUDA graph); the sampling `lax.cond` around it then runs on
+# the host, which copies its predicate back and waits for the whole step so far: a pipeline
+# drain in the middle of every batch-1 decode. XLA's own sort kernel keeps the step one graph.
+GPU_STEP_OPTIONS = {"xla_gpu_enable_cub_radix_sort": False}
+
+
+def compile_lowered(lowered):
+    """Compile a lowered step with the options above on a GPU (plain compile elsewhere, or
+    where this XLA does not know an option)."""
+    if jax.default_backend() == "gpu":
+        try:
+            return lowered.compile(compiler_options=GPU_STEP_OPTIONS)
+        except Exception as exc:  # noqa: BLE001 - an XLA without the option: compile as is
+            import warnings
+
+            warnings.warn(f"compiling without {GPU_STEP_OPTIONS}: {type(exc).__name__}: {exc}")
+    return lowered.compile()
+
