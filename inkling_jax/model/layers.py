@@ -40,9 +40,32 @@ class LayerContext(Protocol):
 # ----------------------------------------------------------------------------- basics
 
 
+# Pad a lone token row to two before a weight product. XLA's GPU compiler rewrites a
+# vector x matrix product below ~1e7 multiply-adds into multiply + reduce fusions, which read
+# the weight at a quarter of the bandwidth a GEMM reaches (and, for per-expert slices, even
+# materialise the f32 products): 1-token decode spent most of its time there. With two rows
+# the product stays a GEMM. None: pad on GPU backends only (the CPU has no such rewrite).
+PAD_LONE_ROW: bool | None = None
+
+
+def _pad_lone_row() -> bool:
+    return jax.default_backend() == "gpu" if PAD_LONE_ROW is None else PAD_LONE_ROW
+
+
+def matmul(x: Float[Array, "... i"], w: Float[Array, "i o"]) -> Float[Array, "... o"]:
+    """x @ w in x's dtype with fp32 accumulation and an fp32 result (a single row of x is
+    padded to two where PAD_LONE_ROW says, see above)."""
+    w = w.astype(x.dtype)
+    if w.ndim == 2 and math.prod(x.shape[:-1]) == 1 and _pad_lone_row():
+        x2 = jnp.concatenate([x.reshape(1, -1), jnp.zeros((1, x.shape[-1]), x.dtype)])
+        y = jnp.matmul(x2, w, preferred_element_type=jnp.float32)[:1]
+        return y.reshape(*x.shape[:-1], w.shape[-1])
+    return jnp.matmul(x, w, preferred_element_type=jnp.float32)
+
+
 def linear(x: Float[Array, "... i"], w: Float[Array, "i o"]) -> Float[Array, "... o"]:
     """x @ w with fp32 accumulation, returned in x's dtype."""
-    return jnp.matmul(x, w.astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
+    return matmul(x, w).astype(x.dtype)
 
 
 def rms_norm(x: Float[Array, "... d"], weight: Float[Array, "d"], eps: float) -> Float[Array, "... d"]:
@@ -183,7 +206,7 @@ def attention_block(p: Params, cfg: InklingConfig, geom: AttentionGeometry, x: A
 
 def swiglu(x: Array, w13: Float[Array, "h two_i"], w2: Float[Array, "i h"]) -> Array:
     """down(silu(gate) * up) with the gate | up halves of w13; SwiGLU in fp32."""
-    gu = jnp.matmul(x, w13.astype(x.dtype), preferred_element_type=jnp.float32)
+    gu = matmul(x, w13)
     half = gu.shape[-1] // 2
     act = (jax.nn.silu(gu[..., :half]) * gu[..., half:]).astype(x.dtype)
     return linear(act, w2)
@@ -264,12 +287,12 @@ def moe_experts_slices(x: Float[Array, "n h"], idx: Array, weight: Array, w13: A
         acc = jnp.zeros((x.shape[-1],), jnp.float32)
         for j in range(k):
             e = idx[t, j]
-            g13 = jax.lax.dynamic_index_in_dim(w13, e, keepdims=False).astype(x.dtype)  # [h, 2f]
-            gu = jnp.matmul(x[t], g13, preferred_element_type=jnp.float32)
+            g13 = jax.lax.dynamic_index_in_dim(w13, e, keepdims=False)  # [h, 2f]
+            gu = matmul(x[t], g13)
             half = gu.shape[-1] // 2
             act = (jax.nn.silu(gu[:half]) * gu[half:]).astype(x.dtype)
-            g2 = jax.lax.dynamic_index_in_dim(w2, e, keepdims=False).astype(x.dtype)  # [f, h]
-            y = jnp.matmul(act, g2, preferred_element_type=jnp.float32).astype(x.dtype).astype(jnp.float32)
+            g2 = jax.lax.dynamic_index_in_dim(w2, e, keepdims=False)  # [f, h]
+            y = matmul(act, g2).astype(x.dtype).astype(jnp.float32)
             acc = acc + weight[t, j].astype(jnp.float32) * y
         rows.append(acc)
     return jnp.stack(rows).astype(x.dtype)
@@ -279,32 +302,40 @@ MOE_IMPLS = {"dense": lambda *a: moe_experts_dense(*a), "gather": lambda *a: moe
              "slices": lambda *a: moe_experts_slices(*a)}
 
 
-def moe_mlp(p: Params, cfg: InklingConfig, x: Array, experts_impl: str = "auto") -> Array:
-    """MoE: routed top-k experts plus shared experts (sink-weighted or plain)."""
+def moe_mlp(p: Params, cfg: InklingConfig, x: Array, experts_impl: str = "auto",
+            few_token_experts: Any = None) -> Array:
+    """MoE: routed top-k experts plus shared experts (sink-weighted or plain).
+
+    experts_impl: a MOE_IMPLS name, or "auto": a few tokens read only their experts (one slice
+    per choice, or `few_token_experts`, a function with moe_experts_slices' signature such as
+    the Pallas grouped mat-vec kernel); past 3 * n * k > E reading every expert once is cheaper."""
     lead = x.shape[:-1]
     flat = x.reshape(-1, x.shape[-1])
     idx, w, gamma = route(p, cfg, flat)
     n = flat.shape[0]
     if experts_impl == "auto":
-        # a few tokens read only their experts (a slice per choice); past 3 * n * k > E reading
-        # every expert once is cheaper
         experts_impl = "slices" if 3 * n * cfg.num_experts_per_tok <= cfg.n_routed_experts else "dense"
-    fn = MOE_IMPLS[experts_impl]
+        if experts_impl == "slices" and few_token_experts is not None:
+            experts_impl = few_token_experts
+    fn = experts_impl if callable(experts_impl) else MOE_IMPLS[experts_impl]
     out = fn(flat, idx, w, p["w13"], p["w2"]).astype(jnp.float32)
     if cfg.n_shared_experts > 0:
-        gu = jnp.einsum("nh,shf->snf", flat, p["shared_w13"].astype(flat.dtype), preferred_element_type=jnp.float32)
+        xs, gs = flat, gamma
+        if n == 1 and _pad_lone_row():  # keep the batched products GEMMs (see PAD_LONE_ROW)
+            xs, gs = jnp.pad(flat, ((0, 1), (0, 0))), jnp.pad(gamma, ((0, 1), (0, 0)))
+        gu = jnp.einsum("nh,shf->snf", xs, p["shared_w13"].astype(flat.dtype), preferred_element_type=jnp.float32)
         half = gu.shape[-1] // 2
         act = jax.nn.silu(gu[..., :half]) * gu[..., half:]
         if cfg.shared_expert_sink and cfg.norm_after_topk:
-            act = act * gamma.T[:, :, None]
+            act = act * gs.T[:, :, None]
         act = act.astype(flat.dtype)
         shared = jnp.einsum("snf,sfh->snh", act, p["shared_w2"].astype(flat.dtype), preferred_element_type=jnp.float32)
-        out = out + shared.astype(flat.dtype).astype(jnp.float32).sum(axis=0)
+        out = out + shared[:, :n].astype(flat.dtype).astype(jnp.float32).sum(axis=0)
     return out.astype(x.dtype).reshape(*lead, x.shape[-1])
 
 
-def mlp(p: Params, cfg: InklingConfig, dense: bool, x: Array) -> Array:
-    return dense_mlp(p, cfg, x) if dense else moe_mlp(p, cfg, x)
+def mlp(p: Params, cfg: InklingConfig, dense: bool, x: Array, few_token_experts: Any = None) -> Array:
+    return dense_mlp(p, cfg, x) if dense else moe_mlp(p, cfg, x, few_token_experts=few_token_experts)
 
 
 # ----------------------------------------------------------------------- the layer
@@ -318,7 +349,7 @@ def decoder_layer(
     a = attention_block(p["attn"], cfg, geom, h, ctx)
     x = x + ctx.conv("attn", a, p["attn_conv"])
     h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
-    m = mlp(p["mlp"], cfg, dense, h)
+    m = mlp(p["mlp"], cfg, dense, h, getattr(ctx, "few_token_experts", None))
     return x + ctx.conv("mlp", m, p["mlp_conv"])
 
 
@@ -332,7 +363,7 @@ def embed(params: Params, cfg: InklingConfig, tokens: Array, dtype: Any) -> Arra
 def lm_head(params: Params, cfg: InklingConfig, h: Array) -> Float[Array, "... v"]:
     """Logits (fp32) from final-normed hidden states: (h / mup) @ unembed, sliced to the real vocab."""
     h = (h.astype(jnp.float32) / cfg.logits_mup_width_multiplier).astype(h.dtype)
-    logits = jnp.matmul(h, params["unembed"].astype(h.dtype), preferred_element_type=jnp.float32)
+    logits = matmul(h, params["unembed"])
     logits = logits[..., :cfg.unpadded_vocab_size]
     if cfg.final_logit_softcapping is not None:
         c = cfg.final_logit_softcapping

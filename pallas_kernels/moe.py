@@ -1,0 +1,212 @@
+"""Pallas kernel for the routed experts of a MoE layer when a handful of tokens decode.
+
+    grouped_matvec(x, idx, w) -> y      y[i] = x[i] @ w[idx[i]], fp32
+        x [m, h] (bf16 or fp32), idx [m] int32 expert ids in [0, E), w [E, h, F] (any float
+        dtype, cast to x's dtype as the reference does), y [m, F] float32
+    moe_experts(x, idx, weight, w13, w2) -> [n, h] in x's dtype
+        `inkling_jax.model.layers.moe_experts_slices`' signature and semantics (x [n, h],
+        idx / weight [n, k], w13 [E, h, 2f] gate | up halves, w2 [E, f, h])
+
+Both take `interpret` (CPU tests: `interpret=True`), and `moe_experts` has a
+`jax.custom_vjp` whose backward is `moe_experts_slices`' VJP (`grouped_matvec`'s is the
+einsum reference's).
+
+Why. With batch 1-4 every expert product is a matrix-vector product: the time is reading the
+selected experts' weights from HBM once, nothing else. XLA's GPU code for these gemvs (one
+`dynamic_slice` + dot per choice, or the gather form) turns them into multiply + reduce
+fusions that use few SMs and at times materialise the fp32 products; this kernel reads each
+selected expert's [h, F] matrix exactly once per row, with hundreds of programs in flight.
+
+Work split. `grouped_matvec` runs one program per (row i, column tile j of `tf` columns,
+contracting split s of `S`): the h axis is cut into S chunks of h/S rows, each walked in
+blocks of `bh` rows. The program reads its row's expert id e = idx[i] (the Triton lowering
+has no scalar prefetch: idx is an ordinary whole-array input, and w is passed whole so the
+kernel can address any expert by a dynamic index), then for each block loads x[i, rows]
+[bh] and w[e, rows, cols] [bh, tf], and accumulates x[:, None] * w in an fp32 [bh, tf]
+register tile; one reduction over its rows at the end gives the partial sums it writes to
+part[i, s, cols] (fp32 [m, S, F]). The wrapper sums part over S in fp32 (jnp; XLA can
+fuse it with the activation that follows). S is the smallest power of two giving
+m * (F / tf) * S >= 512 programs (132 SMs, a few programs each), at most h / bh. With the
+defaults (tf=128, bh=64, num_warps=4):
+
+    m=4, h=2048, F=2048 (bench w13): grid (4, 16, 8) = 512 programs, 256 rows each, 4 blocks
+    m=4, h=1024, F=2048 (bench w2):  grid (4, 16, 8) = 512 programs, 128 rows each, 2 blocks
+
+The block loop is unrolled in Python up to `MAX_UNROLL` blocks (so the independent weight
+loads of a program are issued back to back), a `fori_loop` past that. Offsets into w are
+64-bit in the Triton lowering once w passes 4 GiB; expert ids are clipped to [0, E) first
+(the reference's dynamic slice clamps too), so no id can address outside w.
+
+Shapes. tf and bh are powers of two (Triton's block shapes must be): the kernel uses
+tf' = min(tf, largest power of two dividing F) and bh' = min(bh, largest power of two
+dividing h). Where tf' or bh' would fall below `MIN_TILE` (F or h with a small power-of-two
+factor), or for empty / malformed inputs, the functions fall back to the references
+(`_grouped_matvec_ref`, `moe_experts_slices`); there is no masking.
+
+`moe_experts` flattens the choices to m = n * k rows (row t * k + j is token t, choice j; x
+repeated per choice) and computes gu = grouped_matvec(x_rep, idx, w13), act = (silu(gate) *
+up) in x's dtype, y = grouped_matvec(act, idx, w2) rounded to x's dtype, then
+out[t] = sum_j weight[t, j] * y[t, j] in fp32 (the reference's order, j = 0 .. k-1), cast to
+x's dtype.
+
+Deviations from the reference: the fp32 summation order of the contractions differs from
+XLA's (per-lane partial sums over row blocks, a tree reduction in the tile, then S partials),
+so results equal the reference's within floating-point tolerance, not bit for bit (in bf16 a
+rounding of act or y may land one ulp apart). Products are exact either way (bf16 x bf16
+and fp32 x fp32 products are formed in fp32 from the same operands). Rows whose tokens chose
+the same expert read that expert once per row (the L2 cache may serve the repeat).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jaxtyping import Array, Float, Int
+
+from inkling_jax.model.layers import moe_experts_slices
+
+from ._common import pallas_call, pow2_factor, with_ref_vjp
+
+TF = 128  # output columns per program
+BH = 64  # contracting rows per block of the loop
+NUM_WARPS = 4
+TARGET_PROGRAMS = 512  # ~4 programs per SM on an H100 / H200 (132 SMs)
+MIN_TILE = 16  # tf' or bh' below this: the reference
+MAX_UNROLL = 8  # blocks per program unrolled in Python; a fori_loop past this
+
+
+def _grouped_matvec_ref(x: Array, idx: Array, w: Array) -> Array:
+    """y[i] = x[i] @ w[idx[i]] in x's dtype with fp32 accumulation (gathers the experts)."""
+    return jnp.einsum("mh,mhf->mf", x, w[idx].astype(x.dtype), preferred_element_type=jnp.float32)
+
+
+def _plan(m: int, h: int, f: int, tf: int, bh: int, splits: int | None,
+          target_programs: int) -> tuple[int, int, int] | None:
+    """(tf', bh', S) for the kernel, or None when the shape needs the reference."""
+    if tf < 1 or bh < 1 or tf & (tf - 1) or bh & (bh - 1):
+        raise ValueError(f"tf and bh must be powers of two, not {tf}, {bh}")
+    if m == 0 or h == 0 or f == 0:
+        return None
+    tf, bh = min(tf, pow2_factor(f)), min(bh, pow2_factor(h))
+    if tf < MIN_TILE or bh < MIN_TILE:
+        return None
+    blocks = h // bh
+    if splits is None:
+        s, cap = 1, pow2_factor(blocks)
+        while s < cap and m * (f // tf) * s < target_programs:
+            s *= 2
+    else:
+        s = int(splits)
+        if s < 1 or blocks % s:
+            raise ValueError(f"splits={s} must divide h / bh = {blocks}")
+    return tf, bh, s
+
+
+def grid_for(m: int, h: int, f: int, *, tf: int = TF, bh: int = BH, splits: int | None = None,
+             target_programs: int = TARGET_PROGRAMS) -> tuple[int, int, int] | None:
+    """The launch grid (rows, column tiles, splits) grouped_matvec uses, or None (reference)."""
+    plan = _plan(m, h, f, tf, bh, splits, target_programs)
+    return None if plan is None else (m, f // plan[0], plan[2])
+
+
+def _partials(x, idx, w, tf: int, bh: int, s: int, num_warps: int, interpret: bool) -> Array:
+    """part[i, s, :] = x[i, chunk s] @ w[idx[i], chunk s], fp32 [m, S, F]."""
+    m, h = x.shape
+    f = w.shape[-1]
+    chunk = h // s
+    nb = chunk // bh
+    dtype = x.dtype
+
+    def kernel(idx_ref, x_ref, w_ref, o_ref):
+        i, j, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+        e = idx_ref[i]
+        cols = pl.ds(pl.multiple_of(j * tf, tf), tf)
+        base = c * chunk
+
+        def block(b, acc):
+            rows = pl.ds(pl.multiple_of(base + b * bh, bh), bh)
+            xb = x_ref[i, rows].astype(jnp.float32)
+            wb = w_ref[e, rows, cols]
+            if wb.dtype != dtype:
+                wb = wb.astype(dtype)  # the reference's w.astype(x.dtype)
+            return acc + xb[:, None] * wb.astype(jnp.float32)
+
+        acc = jnp.zeros((bh, tf), jnp.float32)
+        if nb <= MAX_UNROLL:
+            for b in range(nb):
+                acc = block(b, acc)
+        else:
+            acc = jax.lax.fori_loop(0, nb, block, acc)
+        o_ref[i, c, cols] = jnp.sum(acc, axis=0)
+
+    return pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((m, s, f), jnp.float32), grid=(m, f // tf, s),
+                       aliases={}, interpret=interpret, num_warps=num_warps, name="moe_grouped_matvec")(
+        jnp.clip(idx.astype(jnp.int32), 0, w.shape[0] - 1), x, w)
+
+
+def grouped_matvec(x: Float[Array, "m h"], idx: Int[Array, "m"], w: Float[Array, "E h F"], *,
+                   tf: int = TF, bh: int = BH, splits: int | None = None, num_warps: int = NUM_WARPS,
+                   target_programs: int = TARGET_PROGRAMS, interpret: bool = False) -> Float[Array, "m F"]:
+    """y[i] = x[i] @ w[idx[i]].astype(x.dtype), accumulated and returned in fp32.
+
+    tf / bh: column tile and row block (powers of two, shrunk to divide F / h); splits: the
+    number S of contracting chunks (default: the smallest power of two reaching
+    `target_programs` programs). See the module docstring."""
+    if x.ndim != 2 or w.ndim != 3 or idx.shape != x.shape[:1] or w.shape[1] != x.shape[1]:
+        return _grouped_matvec_ref(x, idx, w)
+    m, h = x.shape
+    plan = _plan(m, h, w.shape[2], tf, bh, splits, target_programs)
+    if plan is None:
+        return _grouped_matvec_ref(x, idx, w)
+    tf_, bh_, s = plan
+
+    def kernel_fn(x, idx, w):
+        part = _partials(x, idx, w, tf_, bh_, s, num_warps, interpret)
+        return part[:, 0] if s == 1 else jnp.sum(part, axis=1)
+
+    return with_ref_vjp(kernel_fn, _grouped_matvec_ref)(x, idx, w)
+
+
+def _moe_kernel(x, idx, weight, w13, w2, kw) -> Array:
+    n, k = idx.shape
+    m = n * k
+    flat = idx.reshape(m).astype(jnp.int32)
+    x_rep = jnp.repeat(x, k, axis=0)  # row t * k + j: token t, choice j
+    gu = grouped_matvec(x_rep, flat, w13, **kw)
+    half = gu.shape[-1] // 2
+    act = (jax.nn.silu(gu[:, :half]) * gu[:, half:]).astype(x.dtype)
+    y = grouped_matvec(act, flat, w2, **kw).astype(x.dtype).astype(jnp.float32).reshape(n, k, -1)
+    wt = weight.astype(jnp.float32)
+    acc = jnp.zeros((n, y.shape[-1]), jnp.float32)
+    for j in range(k):  # the reference's order
+        acc = acc + wt[:, j:j + 1] * y[:, j]
+    return acc.astype(x.dtype)
+
+
+def moe_experts(x: Float[Array, "n h"], idx: Int[Array, "n k"], weight: Float[Array, "n k"], w13: Array,
+                w2: Array, *, tf: int = TF, bh: int = BH, splits: int | None = None,
+                num_warps: int = NUM_WARPS, target_programs: int = TARGET_PROGRAMS,
+                interpret: bool = False) -> Float[Array, "n h"]:
+    """`moe_experts_slices` (same signature and semantics) with both expert products in the
+    grouped mat-vec kernel; backward: the reference's VJP. The tiling keywords apply to both
+    products (each shrinks them to its own shape)."""
+    n, k = idx.shape
+    h = x.shape[-1]
+    two_f = w13.shape[-1]
+    plans_ok = (x.ndim == 2 and w13.ndim == 3 and w2.ndim == 3 and n > 0 and k > 0 and two_f % 2 == 0
+                and x.shape[0] == n and weight.shape == idx.shape and w13.shape[1] == h
+                and w2.shape[1:] == (two_f // 2, h) and w2.shape[0] == w13.shape[0])
+    kw = dict(tf=tf, bh=bh, splits=splits, num_warps=num_warps, target_programs=target_programs,
+              interpret=interpret)
+    if plans_ok:
+        sizes = dict(tf=tf, bh=bh, splits=None, target_programs=target_programs)
+        plans_ok = (_plan(n * k, h, two_f, **sizes) is not None
+                    and _plan(n * k, two_f // 2, h, **sizes) is not None)
+    if not plans_ok:
+        return moe_experts_slices(x, idx, weight, w13, w2)
+    kernel_fn = lambda x, idx, weight, w13, w2: _moe_kernel(x, idx, weight, w13, w2, kw)
+    return with_ref_vjp(kernel_fn, moe_experts_slices)(x, idx, weight, w13, w2)
+
+
+__all__ = ["grouped_matvec", "grid_for", "moe_experts"]

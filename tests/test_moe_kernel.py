@@ -1,0 +1,184 @@
+"""The grouped mat-vec MoE kernel (`pallas_kernels.moe`) against its jnp references: interpret
+mode on CPU, the compiled Triton kernel on a GPU. Results match within float tolerance (the
+fp32 summation order differs from XLA's); gradients are the reference's VJP."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from inkling_jax.model import layers
+from pallas_kernels import moe
+
+INTERPRET = jax.default_backend() != "gpu"
+E = 8
+SMALL = dict(tf=32, bh=32)  # small tiles: several column tiles and splits on test shapes
+
+
+def rand(rng, shape, dtype=jnp.float32, scale=1.0):
+    return jnp.asarray(scale * rng.standard_normal(shape), jnp.float32).astype(dtype)
+
+
+def ref_matvec(x, idx, w):
+    return np.einsum("mh,mhf->mf", np.asarray(x, np.float32), np.asarray(jnp.asarray(w)[idx].astype(x.dtype),
+                                                                           np.float32))
+
+
+def close(a, b, rtol, atol):
+    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=rtol, atol=atol)
+
+
+# --------------------------------------------------------------------- grouped_matvec
+
+
+@pytest.mark.parametrize("case", [
+    # (x dtype, w dtype, h, F, idx, splits: None = auto, else h / 32 / splits blocks per program)
+    (jnp.float32, jnp.float32, 256, 128, [0, E - 1, 0, E - 1], None),  # repeats, extreme ids
+    (jnp.float32, jnp.float32, 256, 128, [0, E - 1, 0, E - 1], 2),
+    (jnp.float32, jnp.float32, 128, 256, [3], 1),
+    (jnp.bfloat16, jnp.bfloat16, 256, 128, [E - 1, 2, 0], 4),
+    (jnp.bfloat16, jnp.float32, 128, 128, [5, 5, 0, E - 1], None),  # w cast to x's dtype in the kernel
+])
+def test_grouped_matvec(case):
+    xd, wd, h, f, ids, splits = case
+    rng = np.random.default_rng(len(ids) * 1000 + h + f + (splits or 0))
+    m = len(ids)
+    x, w = rand(rng, (m, h), xd), rand(rng, (E, h, f), wd)
+    idx = jnp.asarray(ids, jnp.int32)
+    y = moe.grouped_matvec(x, idx, w, **SMALL, splits=splits, interpret=INTERPRET)
+    assert y.shape == (m, f) and y.dtype == jnp.float32
+    # bf16 x bf16 products are exact in fp32: only the fp32 summation order differs
+    close(y, ref_matvec(x, idx, w), rtol=1e-5, atol=1e-4)
+    close(y, moe._grouped_matvec_ref(x, idx, w), rtol=1e-5, atol=1e-4)
+
+
+def test_grouped_matvec_defaults_and_loop():
+    """The default tiling once (tf=128, bh=64: grid (2, 2, 4)), and the fori_loop block walk
+    (h / bh / S = 32 blocks per program)."""
+    rng = np.random.default_rng(7)
+    x, w = rand(rng, (2, 256), jnp.bfloat16), rand(rng, (E, 256, 256), jnp.bfloat16)
+    idx = jnp.asarray([E - 1, 0], jnp.int32)
+    assert moe.grid_for(2, 256, 256) == (2, 2, 4)
+    close(moe.grouped_matvec(x, idx, w, interpret=INTERPRET), ref_matvec(x, idx, w), rtol=1e-5, atol=1e-4)
+
+    x, w = rand(rng, (2, 512)), rand(rng, (E, 512, 64))
+    idx = jnp.asarray([1, 6], jnp.int32)
+    assert moe.grid_for(2, 512, 64, tf=64, bh=16, splits=1) == (2, 1, 1)
+    y = moe.grouped_matvec(x, idx, w, tf=64, bh=16, splits=1, interpret=INTERPRET)
+    close(y, ref_matvec(x, idx, w), rtol=1e-5, atol=1e-4)
+
+
+def test_partials_all_written():
+    """Every (row, split, column) of the partial sums is written: interpret mode starts outputs
+    as NaN, and m * F covers every tile of every program."""
+    rng = np.random.default_rng(11)
+    m, h, f = 3, 256, 256
+    x, w = rand(rng, (m, h)), rand(rng, (E, h, f))
+    idx = jnp.asarray([E - 1, 4, 0], jnp.int32)
+    tf, bh, s = 32, 32, 4
+    part = np.asarray(moe._partials(x, idx, w, tf, bh, s, 4, INTERPRET))
+    assert part.shape == (m, s, f) and np.isfinite(part).all()
+    xs, ws = np.asarray(x).reshape(m, s, h // s), np.asarray(w)[np.asarray(idx)].reshape(m, s, h // s, f)
+    close(part, np.einsum("msh,mshf->msf", xs, ws), rtol=1e-5, atol=1e-4)
+
+
+def test_plan_and_fallback():
+    # the GPU shapes of the bench model (h 2048, expert width 1024, top-4): 512 programs each
+    assert moe.grid_for(4, 2048, 2048) == (4, 16, 8)
+    assert moe.grid_for(4, 1024, 2048) == (4, 16, 8)
+    assert moe.grid_for(16, 2048, 2048) == (16, 16, 2)
+    assert moe.grid_for(4, 2048, 24) is None  # F's power-of-two factor (8) below MIN_TILE
+    with pytest.raises(ValueError):
+        moe.grid_for(4, 256, 256, bh=32, splits=3)
+    rng = np.random.default_rng(3)
+    x, w = rand(rng, (2, 64)), rand(rng, (E, 64, 24))
+    idx = jnp.asarray([0, E - 1], jnp.int32)
+    close(moe.grouped_matvec(x, idx, w, interpret=INTERPRET), ref_matvec(x, idx, w), rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------------------------ moe_experts
+
+
+def moe_inputs(rng, n, k, dtype, h=128, f=64):
+    x = rand(rng, (n, h), dtype)
+    idx = jnp.asarray(rng.choice(E, size=(n, k), replace=False) if n * k <= E else rng.integers(0, E, (n, k)),
+                      jnp.int32).reshape(n, k)
+    idx = idx.at[0, 0].set(E - 1)
+    if n * k > 1:
+        idx = idx.at[-1, -1].set(0)
+    weight = jnp.asarray(rng.uniform(0.1, 1.0, (n, k)), jnp.float32)
+    w13 = rand(rng, (E, h, 2 * f), dtype, scale=h ** -0.5)
+    w2 = rand(rng, (E, f, h), dtype, scale=f ** -0.5)
+    return x, idx, weight, w13, w2
+
+
+@pytest.mark.parametrize("n,k", [(1, 1), (2, 2), (3, 4)])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_moe_experts(n, k, dtype):
+    rng = np.random.default_rng(100 * n + k + (dtype == jnp.bfloat16))
+    args = moe_inputs(rng, n, k, dtype)
+    out = moe.moe_experts(*args, **SMALL, interpret=INTERPRET)
+    assert out.shape == args[0].shape and out.dtype == dtype
+    ref = layers.moe_experts_slices(*args)
+    gather = layers.moe_experts_gather(*args)
+    scale = float(np.abs(np.asarray(ref, np.float32)).max())
+    if dtype == jnp.float32:
+        tol = dict(rtol=1e-5, atol=1e-5 * scale)
+    else:  # act / y / out are rounded to bf16: a rounding may land an ulp (2^-8) apart
+        tol = dict(rtol=1e-2, atol=4e-3 * scale)
+    close(out, ref, **tol)
+    close(out, gather, **tol)
+
+
+def test_moe_experts_defaults_jit():
+    """Default tiling, under jit with traced routing."""
+    rng = np.random.default_rng(5)
+    args = moe_inputs(rng, 2, 2, jnp.bfloat16, h=256, f=128)
+    fn = jax.jit(lambda *a: moe.moe_experts(*a, interpret=INTERPRET))
+    out, ref = fn(*args), layers.moe_experts_slices(*args)
+    scale = float(np.abs(np.asarray(ref, np.float32)).max())
+    close(out, ref, rtol=1e-2, atol=4e-3 * scale)
+
+
+def test_moe_experts_grad():
+    """jax.grad through the kernel is the reference's gradient (its VJP runs backward)."""
+    rng = np.random.default_rng(9)
+    x, idx, weight, w13, w2 = moe_inputs(rng, 2, 2, jnp.float32)
+    r = rand(rng, x.shape)
+
+    def loss(fn):
+        return lambda x, weight, w13, w2: jnp.sum(fn(x, idx, weight, w13, w2) * r)
+
+    kern = lambda *a: moe.moe_experts(*a, **SMALL, interpret=INTERPRET)
+    g = jax.grad(loss(kern), argnums=(0, 1, 2, 3))(x, weight, w13, w2)
+    g_ref = jax.grad(loss(layers.moe_experts_slices), argnums=(0, 1, 2, 3))(x, weight, w13, w2)
+    for a, b, name in zip(g, g_ref, ["x", "weight", "w13", "w2"]):
+        assert np.abs(np.asarray(b)).max() > 0, name
+        close(a, b, rtol=1e-6, atol=1e-6)
+
+
+# ---------------------------------------------------------------------- GPU lowering
+
+
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="abstract CUDA lowering is for machines without a GPU; the compiled tests cover a GPU")
+def test_moe_lowers_for_gpu():
+    """The kernel passes the Triton lowering for CUDA at the bench model's shapes (bf16 and
+    fp32 weights, the unrolled and the fori_loop block walk, a w over 4 GiB with 64-bit
+    offsets); runs on CPU and compiles nothing."""
+    sds = jax.ShapeDtypeStruct
+    bf, i32 = jnp.bfloat16, jnp.int32
+
+    def lower(fn, *args):
+        try:
+            text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        except (ImportError, NotImplementedError) as exc:  # a jaxlib without the Triton dialect
+            pytest.skip(f"no Triton lowering here: {exc}")
+        assert "xla.gpu.triton" in text
+
+    for n, wd in [(1, bf), (4, jnp.float32)]:
+        lower(lambda *a: moe.moe_experts(*a), sds((n, 2048), bf), sds((n, 4), i32), sds((n, 4), jnp.float32),
+              sds((32, 2048, 2048), wd), sds((32, 1024, 2048), bf))
+    lower(lambda x, i, w: moe.grouped_matvec(x, i, w, splits=1), sds((4, 6144), bf), sds((4,), i32),
+          sds((256, 6144, 2048), bf))
