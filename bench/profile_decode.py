@@ -25,6 +25,7 @@ _p.add_argument("--batches", default="1,8,32")
 _p.add_argument("--context", type=int, default=1024)
 _p.add_argument("--top", type=int, default=25)
 _p.add_argument("--jnp", action="store_true", help="profile the jnp steps instead of the Pallas ones")
+_p.add_argument("--xla", default="", help="extra XLA compile options for the steps, key=value[;key=value]")
 ARGS = _p.parse_args()
 sys.argv = [sys.argv[0], "--batches", ARGS.batches, "--contexts", str(ARGS.context)]
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -36,7 +37,7 @@ from jax.profiler import ProfileData  # noqa: E402
 
 
 def device_events(trace_dir: str):
-    """(line, name, duration_ns) of every kernel or memcpy on a GPU stream line; the name is
+    """(line, name, start_ns, duration_ns) of every kernel or memcpy on a GPU stream line; the name is
     the HLO op the kernel runs for (its `hlo_op` stat) where the trace says so."""
     path = sorted(glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True))[-1]
     pd = ProfileData.from_file(path)
@@ -49,11 +50,17 @@ def device_events(trace_dir: str):
             for ev in line.events:
                 stats = dict(ev.stats)
                 op = stats.get("hlo_op")
-                yield line.name, f"{op} [{ev.name[:60]}]" if op else ev.name, ev.duration_ns
+                yield line.name, f"{op} [{ev.name[:60]}]" if op else ev.name, ev.start_ns, ev.duration_ns
 
 
 def main() -> None:
     os.makedirs(ARGS.out, exist_ok=True)
+    from inkling_jax import steps
+
+    for kv in filter(None, ARGS.xla.split(";")):
+        key, _, value = kv.partition("=")
+        steps.GPU_STEP_OPTIONS[key] = value
+    print(f"step compile options: {steps.GPU_STEP_OPTIONS}")
     s = D.make_setup(D.ARGS)
     cfg = s.cfg
     params = D.device_params(cfg, 0, s.dtype)
@@ -82,13 +89,17 @@ def main() -> None:
         tot = collections.Counter()
         cnt = collections.Counter()
         lines = set()
-        for line, name, dur in device_events(tdir):
+        first, last = float("inf"), 0.0
+        for line, name, start, dur in device_events(tdir):
             tot[name] += dur
             cnt[name] += 1
             lines.add(line)
+            first, last = min(first, start), max(last, start + dur)
         step_us = sum(tot.values()) / 10 / 1e3
+        span_ms = (last - first) / 10 / 1e6 if cnt else 0.0
         print(f"\n=== decode B={b} L={ARGS.context} ({'Pallas' if pallas else 'jnp'}): synced {med * 1e3:.3f} ms, "
-              f"pipelined {pipe * 1e3:.3f} ms, device busy {step_us / 1e3:.3f} ms/step, "
+              f"pipelined {pipe * 1e3:.3f} ms, device busy {step_us / 1e3:.3f} ms/step (first kernel to last: "
+              f"{span_ms:.3f} ms/step), "
               f"{sum(cnt.values()) / 10:.0f} kernels/step; XLA temp {comp.temp_bytes / 1e6:.0f} MB; lines {sorted(lines)}")
         print(f"arena-sized copies in the HLO ({len(copies)}):")
         for c in copies[:12]:
@@ -96,6 +107,9 @@ def main() -> None:
         print(f"{'us/step':>9} {'n/step':>6}  op")
         for name, t in tot.most_common(ARGS.top):
             print(f"{t / 10 / 1e3:9.1f} {cnt[name] / 10:6.1f}  {name[:150]}")
+        memcpy = [(n, t, cnt[n]) for n, t in tot.items() if "emcpy" in n or "emset" in n]
+        for n, t, c in memcpy:
+            print(f"    memcpy/memset: {n[:100]}: {c / 10:.1f}/step, {t / 10 / 1e3:.1f} us/step")
         with open(os.path.join(ARGS.out, f"ops_B{b}.tsv"), "w") as f:
             for name, t in tot.most_common():
                 f.write(f"{t / 10 / 1e3:.2f}\t{cnt[name] / 10:.1f}\t{name}\n")
