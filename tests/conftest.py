@@ -10,6 +10,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # roughly double compile time and buy nothing at these sizes.
 os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0")
 
+import jax
 import numpy as np
 import pytest
 
@@ -131,3 +132,11 @@ def reference_logprobs(params, cfg, prompt, generated):
         - logits.max(-1, keepdims=True)
     n = len(prompt)
     return np.array([logp[n - 1 + i, t] for i, t in enumerate(generated)]), logp[n - 1:-1].argmax(-1)
+
+
+def has_cuda_device() -> bool:
+    """A CUDA device is present (even when this run's JAX_PLATFORMS picks the CPU)."""
+    try:
+        return bool(jax.devices("cuda"))
+    except RuntimeError:
+        return False

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import has_cuda_device
 
 import pallas_kernels as pk
 from inkling_jax.cache import conv_state as ref_conv
@@ -389,7 +390,7 @@ def test_fallback_returns_reference(monkeypatch):
 # ---------------------------------------------------------------------- GPU lowering
 
 
-@pytest.mark.skipif(jax.default_backend() == "gpu", reason="abstract CUDA lowering is for machines without a GPU; the compiled tests cover a GPU")
+@pytest.mark.skipif(has_cuda_device(), reason="abstract CUDA lowering is for machines without a GPU; the compiled tests cover a GPU")
 def test_kernels_lower_for_gpu():
     """The kernels pass the Triton lowering (power-of-two blocks, supported ops) for CUDA,
     at the bench config's layout; this runs on CPU (it compiles nothing)."""
