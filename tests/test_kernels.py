@@ -421,3 +421,27 @@ def test_kernels_lower_for_gpu():
     lower(lambda a, s, d: pslot.copy_slot_units(a, lay, s, d), arena, i32(8), i32(8))
     lower(lambda a, d: pslot.clear_slot_units(a, lay, d), arena, i32(8))
     lower(lambda a, s, d: pslot.move_units(a, s, d), arena, i32(64), i32(64))
+
+
+def test_engine_with_pallas_kernels_matches_jnp(trunk_params):
+    """The engine wired to the Pallas ops (interpret mode here, compiled in bench/gpu_check.py)
+    generates what the jnp engine generates: one request at batch 1, so the decode steps
+    also take the few-token MoE kernel (`ConvOps.moe_experts`). Tokens equal; log-probs within
+    1e-5 (the MoE kernel sums in another order than XLA)."""
+    from conftest import ENGINE_KW, TRUNK
+    import inkling_jax as ik
+
+    prompt = list(np.random.RandomState(4).randint(3, TRUNK.unpadded_vocab_size, 11))
+    out = {}
+    for pallas in (False, True):
+        kw = {**ENGINE_KW, "max_running": 1, "min_batch_bucket": 1, "use_pallas": pallas, "pallas_interpret": pallas}
+        engine = ik.Engine(TRUNK, trunk_params, ik.EngineConfig(**kw))
+        if pallas:
+            assert engine.ops.moe_experts is not None
+        (req,) = engine.submit([prompt], ik.SamplingParams(max_new_tokens=6))
+        while engine.running or engine.waiting:
+            engine.step()
+        engine.check_invariants()
+        out[pallas] = (list(req.out_tokens), np.asarray(req.out_logprobs))
+    assert out[True][0] == out[False][0]
+    np.testing.assert_allclose(out[True][1], out[False][1], atol=1e-5)
