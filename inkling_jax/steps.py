@@ -609,4 +609,3 @@ def compile_lowered(lowered):
 
             warnings.warn(f"compiling without {GPU_STEP_OPTIONS}: {type(exc).__name__}: {exc}")
     return lowered.compile()
-
