@@ -91,6 +91,15 @@ class UnitPool:
             return range(phys * kind.units, (phys + 1) * kind.units)
         return range(self.num_units - (phys + 1) * kind.units, self.num_units - phys * kind.units)
 
+    def _row_is_live(self, row: int) -> bool:
+        """Whether arena row `row` belongs to a live slot or page (moves into rows whose
+        object was freed since are dropped)."""
+        slot_end = (self.slots.top + 1) * self.slots.units
+        if row < slot_end:
+            return row // self.slots.units in self.slots.p2v
+        phys = (self.num_units - 1 - row) // self.pages.units
+        return phys <= self.pages.top and phys in self.pages.p2v
+
     def _units_used(self) -> int:
         return (self.slots.top + 1) * self.slots.units + (self.pages.top + 1) * self.pages.units
 
@@ -221,11 +230,9 @@ class UnitPool:
 
     def take_moves(self) -> tuple[np.ndarray, np.ndarray]:
         """Coalesced pending moves as (src_rows, dst_rows), and clear them."""
-        live_rows = set()
-        for kind in (self.slots, self.pages):
-            for phys in kind.p2v:
-                live_rows.update(self._rows(kind, phys))
-        pairs = [(s, d) for d, s in self._pending.items() if d in live_rows and s != d]
+        if not self._pending:  # the common step: nothing moved (no scan of the live objects)
+            return np.zeros(0, np.int32), np.zeros(0, np.int32)
+        pairs = [(s, d) for d, s in self._pending.items() if s != d and self._row_is_live(d)]
         self._pending.clear()
         if not pairs:
             return np.zeros(0, np.int32), np.zeros(0, np.int32)
