@@ -16,8 +16,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import has_cuda_device
+from conftest import ENGINE_KW, TRUNK, has_cuda_device
 
+import inkling_jax as ik
 import pallas_kernels as pk
 from inkling_jax.cache import conv_state as ref_conv
 from inkling_jax.cache import state as ref_state
@@ -428,9 +429,6 @@ def test_engine_with_pallas_kernels_matches_jnp(trunk_params):
     generates what the jnp engine generates: one request at batch 1, so the decode steps
     also take the few-token MoE kernel (`ConvOps.moe_experts`). Tokens equal; log-probs within
     1e-5 (the MoE kernel sums in another order than XLA)."""
-    from conftest import ENGINE_KW, TRUNK
-    import inkling_jax as ik
-
     prompt = list(np.random.RandomState(4).randint(3, TRUNK.unpadded_vocab_size, 11))
     out = {}
     for pallas in (False, True):

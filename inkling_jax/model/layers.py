@@ -57,7 +57,7 @@ def matmul(x: Float[Array, "... i"], w: Float[Array, "i o"]) -> Float[Array, "..
     padded to two where PAD_LONE_ROW says, see above)."""
     w = w.astype(x.dtype)
     if w.ndim == 2 and math.prod(x.shape[:-1]) == 1 and _pad_lone_row():
-        x2 = jnp.concatenate([x.reshape(1, -1), jnp.zeros((1, x.shape[-1]), x.dtype)])
+        x2 = jnp.pad(x.reshape(1, -1), ((0, 1), (0, 0)))
         y = jnp.matmul(x2, w, preferred_element_type=jnp.float32)[:1]
         return y.reshape(*x.shape[:-1], w.shape[-1])
     return jnp.matmul(x, w, preferred_element_type=jnp.float32)
