@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
+import importlib
 import os
 import statistics
 import sys
@@ -26,12 +28,17 @@ import traceback
 from dataclasses import dataclass
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import pallas_kernels as pk  # noqa: E402
+from device_time import traced_device_events  # noqa: E402
+from inkling_jax.model import layers as L  # noqa: E402
+from jax.experimental import pallas as pl  # noqa: E402
+from jax.experimental.pallas import triton as plt  # noqa: E402
 from inkling_jax.cache import conv_state as ref_conv  # noqa: E402
 from inkling_jax.cache.conv_state import ConvMeta  # noqa: E402
 from inkling_jax.cache.layout import ArenaLayout, Field  # noqa: E402
@@ -54,6 +61,11 @@ class Setup:
     iters: int
     reps: int
     copy_elems: int
+    moe_tokens: tuple[int, ...]
+    flush: bool  # GPU: L2 flush between timed ops, device time from a trace
+    flush_buf: object = None
+    flush_kernels: frozenset = frozenset()
+    lay_shape: tuple[int, int] = (0, 0)
 
 
 def make_setup(args) -> Setup:
@@ -81,7 +93,8 @@ def make_setup(args) -> Setup:
         streams = dict(list(streams.items())[::2])
     return Setup(cfg, lay, cfg.conv_kernel_size, jnp.bfloat16, batches, ext, streams, interpret=args.smoke,
                  iters=args.iters or (2 if args.smoke else 20), reps=args.reps or (1 if args.smoke else 10),
-                 copy_elems=(1 << 22) if args.smoke else (1 << 30))
+                 copy_elems=(1 << 22) if args.smoke else (1 << 30), moe_tokens=(1,) if args.smoke else (1, 2),
+                 flush=not args.smoke, lay_shape=(1, lay.unit_elems))
 
 
 # ---------------------------------------------------------------------------- inputs
@@ -193,28 +206,122 @@ def compare(s: Setup, arena0, got_arena, want_arena, got_y=None, want_y=None) ->
 
 # ---------------------------------------------------------------------------- timing
 
+FLUSH_COLS = 2048  # uint32 per flush program (8 KB)
+FLUSH_BYTES = 256 << 20  # > 5x the H200's L2
 
-def time_fn(fn, state, args, s: Setup) -> float:
-    """Median seconds per op: fn(state, *args) -> state runs s.reps ops; state is donated."""
+
+def l2_flush(buf: jax.Array) -> jax.Array:
+    """buf + 1 in place: a pass over FLUSH_BYTES that evicts the op's data from L2.
+
+    Its kernel is named `l2_flush`, so the trace can leave it out of the op's time."""
+    def kernel(x_ref, o_ref):
+        o_ref[...] = x_ref[...] + jnp.uint32(1)
+
+    spec = pl.BlockSpec((1, FLUSH_COLS), lambda i: (i, 0))
+    return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(buf.shape, buf.dtype), grid=(buf.shape[0],),
+                          in_specs=[spec], out_specs=spec, input_output_aliases={0: 0}, name="l2_flush",
+                          compiler_params=plt.CompilerParams(num_warps=4, num_stages=1))(buf)
+
+
+def rep_loop(op, s: Setup):
+    """jit(fn)(state, flush_buf, *args) -> (state, flush_buf): s.reps calls of op(state, *args) -> state,
+    unrolled, with an L2 flush between calls on the GPU (optimization barriers keep the order
+    op, flush, op, ...). state and flush_buf are donated."""
+    def fn(state, buf, *args):
+        for _ in range(s.reps):
+            state = op(state, *args)
+            if s.flush:
+                state, buf = jax.lax.optimization_barrier((state, buf))
+                buf = l2_flush(buf)
+                state, buf = jax.lax.optimization_barrier((state, buf))
+        return state, buf
+    return jax.jit(fn, donate_argnums=(0, 1))
+
+
+@dataclass
+class Timing:
+    seconds: float  # per op: median device time (GPU) or wall time / reps (CPU smoke)
+    kernels: float | None  # kernel launches per op (GPU), median
+
+
+def flush_kernel_names(s: Setup) -> frozenset[str]:
+    """The kernel names a traced l2_flush call shows (so op_samples can tell them apart)."""
+    f = jax.jit(l2_flush, donate_argnums=0)
+    s.flush_buf = f(s.flush_buf)
+    box = [s.flush_buf]
+
+    def run():
+        box[0] = f(box[0])
+        jax.block_until_ready(box)
+
+    names = frozenset(e.kernel for e in traced_device_events(run))
+    s.flush_buf = box[0]
+    if not names:
+        raise RuntimeError("the trace shows no kernel for l2_flush")
+    return names
+
+
+def op_samples(events, flush_kernels: frozenset[str]) -> list[tuple[int, int]]:
+    """(device ns, kernels) of each op: the non-flush events between consecutive flushes."""
+    out, ns, n = [], 0, 0
+    for ev in events:
+        name, dur = ev.kernel, ev.duration_ns
+        if name in flush_kernels:
+            if n:
+                out.append((ns, n))
+            ns, n = 0, 0
+        else:
+            ns, n = ns + dur, n + 1
+    if n:
+        out.append((ns, n))
+    return out
+
+
+def time_fn(fn, state, args, s: Setup, flush_buf) -> tuple[Timing, object]:
+    """Time fn = rep_loop(...): two warm-up calls, then s.iters calls; on the GPU traced, per-op
+    device time = median over the s.iters * s.reps ops of the kernel time between flushes.
+    Returns (timing, flush_buf)."""
     for _ in range(2):
-        state = fn(state, *args)
-    jax.block_until_ready(state)
-    times = []
-    for _ in range(s.iters):
-        t0 = time.perf_counter()
-        state = fn(state, *args)
-        jax.block_until_ready(state)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) / s.reps
+        state, flush_buf = fn(state, flush_buf, *args)
+    jax.block_until_ready((state, flush_buf))
+    if not s.flush:
+        times = []
+        for _ in range(s.iters):
+            t0 = time.perf_counter()
+            state, flush_buf = fn(state, flush_buf, *args)
+            jax.block_until_ready(state)
+            times.append(time.perf_counter() - t0)
+        return Timing(statistics.median(times) / s.reps, None), flush_buf
+
+    box = [state, flush_buf]
+
+    def run():
+        for _ in range(s.iters):
+            box[0], box[1] = fn(box[0], box[1], *args)
+        jax.block_until_ready(box)
+
+    events = traced_device_events(run)
+    samples = op_samples(events, s.flush_kernels)
+    if len(samples) != s.iters * s.reps:  # the flushes did not split the ops: report the mean
+        print(f"  warning: trace has {len(samples)} op samples, expected {s.iters * s.reps}; "
+              f"kernels {sorted({e.kernel[:40] for e in events})[:8]}", flush=True)
+        busy = sum(e.duration_ns for e in events if e.kernel not in s.flush_kernels)
+        return Timing(busy * 1e-9 / (s.iters * s.reps), None), box[1]
+    return Timing(statistics.median(ns for ns, _ in samples) * 1e-9,
+                  statistics.median(n for _, n in samples)), box[1]
 
 
 def copy_bandwidth(s: Setup) -> float:
-    """Device copy bandwidth in bytes (read + write) per second."""
+    """Device copy bandwidth in bytes (read + write) per second: a copy of copy_elems elements."""
     x = jnp.ones((s.copy_elems,), s.dtype)
     f = jax.jit(lambda a: a.copy())
     jax.block_until_ready(f(x))
+    n = max(s.iters, 5)
+    if s.flush:
+        events = traced_device_events(lambda: jax.block_until_ready([f(x) for _ in range(n)]))
+        return 2 * x.nbytes / (sum(e.duration_ns for e in events) * 1e-9 / n)
     times = []
-    for _ in range(max(s.iters, 5)):
+    for _ in range(n):
         t0 = time.perf_counter()
         jax.block_until_ready(f(x))
         times.append(time.perf_counter() - t0)
@@ -229,13 +336,20 @@ class Row:
     kernel: str
     shape: str
     check: str
-    t_pallas: float | None = None
-    t_ref: float | None = None
+    t_pallas: Timing | None = None
+    t_ref: Timing | None = None
     nbytes: int = 0
     error: str = ""
 
 
-def conv_update_case(s: Setup, ops, name, f: Field, ch, rows: int, q: int, rng) -> Row:
+def timed(s: Setup, op, state, args) -> Timing:
+    t, s.flush_buf = time_fn(rep_loop(op, s), state, args, s, s.flush_buf)
+    return t
+
+
+def conv_update_case(s: Setup, ops, name, f: Field, ch, rows: int, q: int, rng, trials: int = 2,
+                     time_ref: bool = True, **tuning) -> Row:
+    """tuning: block / num_warps for the Pallas kernel (the sweep); the default plan otherwise."""
     w_ = ch[1] - ch[0]
     k, km1, item = s.k, s.k - 1, jnp.dtype(s.dtype).itemsize
     lay = s.lay
@@ -243,13 +357,15 @@ def conv_update_case(s: Setup, ops, name, f: Field, ch, rows: int, q: int, rng) 
     kind = "conv_update " + ("decode" if q == 1 else "extend")
     arena0 = make_arena(s, 2 * rows + 2, seed=rows)
     weight = jnp.asarray(0.5 * rng.standard_normal((k, w_)), s.dtype)
+    kern_op = (lambda a, *xs: pk.conv_state.conv_update(a, *xs, interpret=s.interpret, **tuning)) if tuning \
+        else ops.conv_update
 
     # check, on random batches
     checks = []
-    for trial in range(2):
+    for trial in range(trials):
         meta, t = make_meta(rng, rows, q, km1, padded=True, track=True, mixed=True)
         x = jnp.asarray(rng.standard_normal((t, w_)), s.dtype)
-        kern = jax.jit(lambda a, x, w, m: ops.conv_update(a, lay, f, ch, x, w, m), donate_argnums=0)
+        kern = jax.jit(lambda a, x, w, m: kern_op(a, lay, f, ch, x, w, m), donate_argnums=0)
         refj = jax.jit(lambda a, x, w, m: ref_conv.conv_update(a, lay, f, ch, x, w, m), donate_argnums=0)
         y_k, a_k = kern(arena0.copy(), x, weight, meta)
         y_r, a_r = refj(arena0.copy(), x, weight, meta)
@@ -261,17 +377,15 @@ def conv_update_case(s: Setup, ops, name, f: Field, ch, rows: int, q: int, rng) 
     meta, t = make_meta(rng, rows, q, km1, padded=False, track=False, mixed=False)
     x = jnp.asarray(rng.standard_normal((t, w_)), s.dtype)
 
-    def loop(update):
+    def op(update):
         def fn(carry, w, m):
             a, xx = carry
-            for _ in range(s.reps):
-                y, a = update(a, lay, f, ch, xx, w, m)
-                xx = y  # keeps every op's y live
-            return a, xx
-        return jax.jit(fn, donate_argnums=0)
+            y, a = update(a, lay, f, ch, xx, w, m)
+            return a, y  # the next op reads this op's y: every y stays live
+        return fn
 
-    t_p = time_fn(loop(ops.conv_update), (arena0.copy(), x.copy()), (weight, meta), s)
-    t_r = time_fn(loop(ref_conv.conv_update), (arena0.copy(), x.copy()), (weight, meta), s)
+    t_p = timed(s, op(kern_op), (arena0.copy(), x.copy()), (weight, meta))
+    t_r = timed(s, op(ref_conv.conv_update), (arena0.copy(), x.copy()), (weight, meta)) if time_ref else None
     nbytes = item * (rows * 2 * km1 * w_ + 2 * t * w_ + k * w_)  # window in + out, x in, y out, weights
     return Row(kind, label, check, t_p, t_r, nbytes)
 
@@ -295,16 +409,9 @@ def conv_write_case(s: Setup, ops, name, f: Field, ch, rows: int, rng) -> Row:
     meta = dataclasses.replace(meta, commit_len=jnp.full((rows,), 2, jnp.int32))  # 2 of 3 accepted
     x = jnp.asarray(rng.standard_normal((t, w_)), s.dtype)
     win = jnp.asarray(rng.standard_normal((rows, km1, w_)), s.dtype)
-
-    def loop(write):
-        def fn(a, x, win, m):
-            for _ in range(s.reps):
-                a = write(a, lay, f, ch, x, win, m)
-            return a
-        return jax.jit(fn, donate_argnums=0)
-
-    t_p = time_fn(loop(ops.conv_write), arena0.copy(), (x, win, meta), s)
-    t_r = time_fn(loop(ref_conv.conv_write), arena0.copy(), (x, win, meta), s)
+    op = lambda write: lambda a, x, win, m: write(a, lay, f, ch, x, win, m)
+    t_p = timed(s, op(ops.conv_write), arena0.copy(), (x, win, meta))
+    t_r = timed(s, op(ref_conv.conv_write), arena0.copy(), (x, win, meta))
     nbytes = item * rows * w_ * (2 * km1 + min(km1, 2))  # window in, accepted x in, window out
     return Row("conv_write verify", f"{name}, B={rows}, {VERIFY_Q} tok/row", check, t_p, t_r, nbytes)
 
@@ -335,21 +442,75 @@ def slot_cases(s: Setup, ops, rows: int, rng) -> list[Row]:
             want = jax.jit(rfn, donate_argnums=0)(arena0.copy(), *chk_args)
             check = compare(s, arena0, got, want)
             del got, want
-
-            def loop(fn):
-                def body(a, *xs):
-                    for _ in range(s.reps):
-                        a = fn(a, *xs)
-                    return a
-                return jax.jit(body, donate_argnums=0)
-
-            t_p = time_fn(loop(kfn), arena0.copy(), args, s)
-            t_r = time_fn(loop(rfn), arena0.copy(), args, s)
+            t_p = timed(s, kfn, arena0.copy(), args)
+            t_r = timed(s, rfn, arena0.copy(), args)
             shape = f"B={rows} entries ({su} units)" if kind != "move_units" else f"{rows * su} units"
             out.append(Row(kind, shape, check, t_p, t_r, nbytes))
         except Exception as exc:  # report and carry on
             traceback.print_exc()
             out.append(Row(kind, f"B={rows}", "ERROR", error=f"{type(exc).__name__}: {exc}"[:120]))
+    return out
+
+
+def moe_case(s: Setup, ops, n: int, rng) -> Row:
+    """Routed experts of n tokens (top-k of E): the grouped mat-vec kernel (`ops.moe_experts`)
+    against the slices path XLA runs without it (one dynamic slice + product per choice)."""
+    cfg = s.cfg
+    e, h, f, k = cfg.n_routed_experts, cfg.hidden_size, cfg.expert_intermediate_size, cfg.num_experts_per_tok
+    key = jax.random.key(n)
+    w13 = (0.02 * jax.random.normal(key, (e, h, 2 * f), jnp.float32)).astype(s.dtype)
+    w2 = (0.02 * jax.random.normal(jax.random.fold_in(key, 1), (e, f, h), jnp.float32)).astype(s.dtype)
+    x = jax.random.normal(jax.random.fold_in(key, 2), (n, h), jnp.float32).astype(s.dtype)
+    idx = jnp.asarray(rng.permutation(e)[:n * k].reshape(n, k), jnp.int32)  # n * k distinct experts
+    wt = jnp.asarray(rng.dirichlet(np.ones(k), n), jnp.float32)
+    got = jax.jit(ops.moe_experts)(x, idx, wt, w13, w2)
+    with jax.default_matmul_precision("highest"):
+        want = jax.jit(L.moe_experts_slices)(x.astype(jnp.float32), idx, wt, w13.astype(jnp.float32),
+                                             w2.astype(jnp.float32))
+    err = float(_rel_err(got, want))
+    check = f"y~ {err:.1e}" if err <= 1e-2 else f"FAIL y {err:.1e}"
+    op = lambda fn: lambda xx, i, w, a, b: fn(xx, i, w, a, b)
+    t_p = timed(s, op(ops.moe_experts), x.copy(), (idx, wt, w13, w2))
+    t_r = timed(s, op(L.moe_experts_slices), x.copy(), (idx, wt, w13, w2))
+    nbytes = n * k * 3 * h * f * jnp.dtype(s.dtype).itemsize  # the chosen experts' weights, once
+    return Row("moe_experts (grouped mat-vec)", f"n={n} tokens, top-{k} of {e}, h={h}, f={f}", check, t_p, t_r,
+               nbytes)
+
+
+# ---------------------------------------------------------------------------- sweep
+
+
+def sweep(s: Setup, rng, compare_module: str = "") -> list[tuple[str, int, int, Row]]:
+    """The conv_update kernel's (block, num_warps) choices on the cases that missed a target;
+    with compare_module (a module with conv_update's signature, e.g. an earlier version of
+    pallas_kernels/conv_state.py copied beside it) also that module's default plan."""
+    cases = [("attn", 256, 1), ("attn", 32, 1), ("k (full", 256, 1), ("k (full", 1, EXTEND_L),
+             ("attn", 32, EXTEND_L)]
+    out = []
+    for prefix, b, q in cases:
+        name, (f, ch) = next((nm, v) for nm, v in s.streams.items() if nm.startswith(prefix))
+        width = ch[1] - ch[0]
+        default = pk.conv_state.conv_plan(s.lay_shape, s.lay, f, ch, width, s.k, max(b, b * q))
+        if compare_module:
+            other = importlib.import_module(compare_module)
+            ops_other = dataclasses.replace(pk.conv_ops(True, s.interpret),
+                                            conv_update=functools.partial(other.conv_update, interpret=s.interpret))
+            row = conv_update_case(s, ops_other, name, f, ch, b, q, rng, trials=1, time_ref=False)
+            out.append((f"{row.shape} [{compare_module}]", default.block, default.num_warps, row))
+            print(f"sweep {row.shape} [{compare_module}]: {row.check} {row.t_pallas.seconds * 1e6:.2f} us", flush=True)
+        for block in (b_ for b_ in (16, 32, 64, 128, 256, 512, 1024, 2048) if width // 16 <= b_ <= width):
+            for warps in (1, 2, 4, 8):
+                if not 64 <= block // warps <= 512 and warps != 1:
+                    continue
+                try:
+                    row = conv_update_case(s, None, name, f, ch, b, q, rng, trials=1, time_ref=False, block=block,
+                                           num_warps=warps)
+                except Exception as exc:  # report and carry on
+                    row = Row("conv_update", f"{name}, B={b}", "ERROR", error=f"{type(exc).__name__}: {exc}"[:100])
+                mark = " (default)" if (default.block, default.num_warps) == (block, warps) else ""
+                out.append((row.shape + mark, block, warps, row))
+                print(f"sweep {row.shape}{mark} block={block} warps={warps}: {row.check} "
+                      f"{row.t_pallas.seconds * 1e6 if row.t_pallas else float('nan'):.2f} us", flush=True)
     return out
 
 
@@ -362,6 +523,9 @@ def main() -> int:
     p.add_argument("--batches", default="", help="comma-separated batch sizes (default 1,32,256)")
     p.add_argument("--iters", type=int, default=0)
     p.add_argument("--reps", type=int, default=0)
+    p.add_argument("--sweep", action="store_true", help="also time the conv_update kernel's block / warp choices")
+    p.add_argument("--compare-module", default="", help="with --sweep: also time this module's conv_update")
+    p.add_argument("--out", default="", help="also write the table(s) to this markdown file")
     args = p.parse_args()
     if not args.smoke and jax.default_backend() != "gpu":
         print(f"backend is {jax.default_backend()!r}: run on a GPU, or pass --smoke", file=sys.stderr)
@@ -369,8 +533,13 @@ def main() -> int:
     s = make_setup(args)
     ops = pk.conv_ops(True, interpret=s.interpret)
     rng = np.random.RandomState(0)
-    print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, interpret={s.interpret}; "
-          f"K={s.k}, {jnp.dtype(s.dtype).name} arena; {s.lay.describe()}", flush=True)
+    head = (f"jax {jax.__version__}, {jax.devices()[0].device_kind}, interpret={s.interpret}; "
+            f"K={s.k}, {jnp.dtype(s.dtype).name} arena; {s.lay.describe()}")
+    print(head, flush=True)
+    if s.flush:
+        s.flush_buf = jnp.zeros((FLUSH_BYTES // (4 * FLUSH_COLS), FLUSH_COLS), jnp.uint32)
+        s.flush_kernels = flush_kernel_names(s)
+        print(f"L2 flush: {FLUSH_BYTES >> 20} MB pass between timed ops, kernels {sorted(s.flush_kernels)}")
     bw = copy_bandwidth(s)
     print(f"device copy bandwidth: {bw / 1e9:.0f} GB/s (read + write)", flush=True)
 
@@ -386,7 +555,8 @@ def main() -> int:
         out = out if isinstance(out, list) else [out]
         for r in out:
             status = "PASS" if r.check == "exact" or r.check.startswith("y~") else "FAIL"
-            print(f"{status} {r.kernel} [{r.shape}]: {r.check}  ({time.perf_counter() - t0:.1f}s)", flush=True)
+            us = f"Pallas {r.t_pallas.seconds * 1e6:.2f} us, XLA {r.t_ref.seconds * 1e6:.2f} us" if r.t_pallas else ""
+            print(f"{status} {r.kernel} [{r.shape}]: {r.check} {us} ({time.perf_counter() - t0:.1f}s)", flush=True)
         rows.extend(out)
 
     for b in s.batches:
@@ -399,23 +569,39 @@ def main() -> int:
         for name, (f, ch) in s.streams.items():
             q = 4 if s.interpret else EXTEND_L
             run(("conv_update extend", f"{name}, B={b}"), lambda: conv_update_case(s, ops, name, f, ch, b, q, rng))
+    for n in s.moe_tokens:
+        run(("moe_experts", f"n={n}"), lambda: moe_case(s, ops, n, rng))
+    swept = sweep(s, rng, args.compare_module) if args.sweep else []
 
-    print()
-    print(f"Pallas vs XLA reference; copy bandwidth {bw / 1e9:.0f} GB/s; {jax.devices()[0].device_kind}; "
-          f"time per op, median of {s.iters} x {s.reps} ops")
-    print()
-    print("| kernel | shape | check | Pallas µs | XLA µs | speedup | MB moved | Pallas % copy BW | XLA % copy BW |")
-    print("|---|---|---|---:|---:|---:|---:|---:|---:|")
+    unit = "device µs (kernels only, L2 flushed between ops)" if s.flush else "wall µs / op"
+    lines = [head, "", f"Pallas vs XLA reference; copy bandwidth {bw / 1e9:.0f} GB/s; {jax.devices()[0].device_kind}; "
+             f"{unit}, median of {s.iters} x {s.reps} ops", "",
+             "| kernel | shape | check | Pallas µs | XLA µs | speedup | kernels (Pallas / XLA) | MB moved "
+             "| Pallas % copy BW | XLA % copy BW |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         if r.t_pallas is None:
-            print(f"| {r.kernel} | {r.shape} | {r.check} {r.error} | | | | | | |")
+            lines.append(f"| {r.kernel} | {r.shape} | {r.check} {r.error} | | | | | | | |")
             continue
+        tp, tr = r.t_pallas.seconds, r.t_ref.seconds
         frac = lambda t: 100 * r.nbytes / t / bw
-        print(f"| {r.kernel} | {r.shape} | {r.check} | {r.t_pallas * 1e6:.1f} | {r.t_ref * 1e6:.1f} | "
-              f"{r.t_ref / r.t_pallas:.2f}x | {r.nbytes / 1e6:.3f} | {frac(r.t_pallas):.1f}% | {frac(r.t_ref):.1f}% |")
-    failed = [r for r in rows if not (r.check == "exact" or r.check.startswith("y~"))]
+        kern = f"{r.t_pallas.kernels:g} / {r.t_ref.kernels:g}" if r.t_pallas.kernels is not None else ""
+        lines.append(f"| {r.kernel} | {r.shape} | {r.check} | {tp * 1e6:.1f} | {tr * 1e6:.1f} | {tr / tp:.2f}x | "
+                     f"{kern} | {r.nbytes / 1e6:.3f} | {frac(tp):.1f}% | {frac(tr):.1f}% |")
+    if swept:
+        lines += ["", "conv_update kernel: channel block and warps (Pallas only)", "",
+                  "| case | block | warps | check | Pallas µs | % copy BW |", "|---|---:|---:|---|---:|---:|"]
+        for shape, block, warps, r in swept:
+            t = r.t_pallas.seconds if r.t_pallas else float("nan")
+            lines.append(f"| {shape} | {block} | {warps} | {r.check} | {t * 1e6:.2f} | "
+                         f"{100 * r.nbytes / t / bw:.1f}% |")
+    failed = [r for r in rows + [x[3] for x in swept] if not (r.check == "exact" or r.check.startswith("y~"))]
+    lines += ["", "ALL PASS" if not failed else f"{len(failed)} FAILED"]
     print()
-    print("ALL PASS" if not failed else f"{len(failed)} FAILED")
+    print("\n".join(lines))
+    if args.out:
+        with open(args.out, "w") as fh:
+            fh.write("\n".join(lines) + "\n")
     return 1 if failed else 0
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
-import glob
 import os
 import re
 import sys
@@ -33,24 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import decode as D  # noqa: E402  (parses the sys.argv above)
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
-from jax.profiler import ProfileData  # noqa: E402
-
-
-def device_events(trace_dir: str):
-    """(line, name, start_ns, duration_ns) of every kernel or memcpy on a GPU stream line; the name is
-    the HLO op the kernel runs for (its `hlo_op` stat) where the trace says so."""
-    path = sorted(glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True))[-1]
-    pd = ProfileData.from_file(path)
-    for plane in pd.planes:
-        if not plane.name.startswith("/device:GPU"):
-            continue
-        for line in plane.lines:
-            if not line.name.startswith("Stream"):
-                continue  # derived lines (XLA Modules / Ops, Steps) would count kernels twice
-            for ev in line.events:
-                stats = dict(ev.stats)
-                op = stats.get("hlo_op")
-                yield line.name, f"{op} [{ev.name[:60]}]" if op else ev.name, ev.start_ns, ev.duration_ns
+from device_time import device_events  # noqa: E402
 
 
 def main() -> None:
@@ -90,7 +72,8 @@ def main() -> None:
         cnt = collections.Counter()
         lines = set()
         first, last = float("inf"), 0.0
-        for line, name, start, dur in device_events(tdir):
+        for ev in device_events(tdir):
+            line, name, start, dur = ev.line, ev.label, ev.start_ns, ev.duration_ns
             tot[name] += dur
             cnt[name] += 1
             lines.add(line)

@@ -107,8 +107,11 @@ class ConvPlan:
 
 
 def conv_plan(arena_shape: tuple[int, ...], layout: ArenaLayout, f: Field, channels: tuple[int, int], width: int,
-              k: int, programs: int) -> ConvPlan | None:
-    """The kernel's addressing for this stream, or None when the config needs the reference."""
+              k: int, programs: int, block: int | None = None, num_warps: int | None = None) -> ConvPlan | None:
+    """The kernel's addressing for this stream, or None when the config needs the reference.
+
+    `block` (channels per program, a power of two dividing the width) and `num_warps`
+    override the defaults below (bench/kernels.py --sweep tries them)."""
     if len(arena_shape) != 2 or len(f.shape) != 2:
         return None
     num_units, e = arena_shape
@@ -119,13 +122,16 @@ def conv_plan(arena_shape: tuple[int, ...], layout: ArenaLayout, f: Field, chann
     if programs <= 0:
         return None
     g = pow2_factor(math.gcd(e, c, width, c0))
-    block = min(pow2_factor(width), MAX_BLOCK, max(MIN_BLOCK, pow2_floor(width * programs // TARGET_PROGRAMS)))
+    if block is None:
+        block = min(pow2_factor(width), MAX_BLOCK, max(MIN_BLOCK, pow2_floor(width * programs // TARGET_PROGRAMS)))
+    elif block <= 0 or block & (block - 1) or width % block:
+        raise ValueError(f"block must be a power of two dividing the stream width {width}, not {block}")
     g = min(g, block)
     if num_units * (e // g) > INT32_MAX:
         return None
     return ConvPlan(km1=km1, granule=g, nb=block // g, nblocks=width // block, row_stride=c // g, chan0=c0 // g,
                     field0=f.unit_offset * e // g, slot_stride=layout.slot_units * e // g,
-                    num_warps=max(1, min(8, block // 256)))
+                    num_warps=num_warps or max(1, min(8, block // 256)))
 
 
 def _masked_load(view, cond, shape, dtype):
@@ -187,76 +193,82 @@ def _update_kernel(plan: ConvPlan, num_tokens: int, num_rows: int, q: int, k: in
                    interpret: bool):
     km1, nb, g = plan.km1, plan.nb, plan.granule
     blk = (nb, g)
+    row_owned = min(km1, q)  # new tokens per row that read the row's window
 
     def kernel(tok_row, tok_off, row_tok, has_state, commit, active, t_dest, t_len, x_ref, w_ref, arena_in,
                y_ref, arena_out):
         p, cb = _split_pid(plan)
         cblk = pl.ds(cb * nb, nb)
 
-        def x_of(b, j):  # x[row_tokens[b, j]]: row b's j-th new token
-            return x_ref[_index(row_tok[b, j], num_tokens), cblk, :]
-
-        def weights():
-            return [w_ref[i, cblk, :] for i in range(k)]
+        def x_at(t):  # x[t] for an index already in [0, T)
+            return x_ref[t, cblk, :]
 
         def slot_base(slot):
             return slot * plan.slot_stride + plan.field0 + plan.chan0 + cb * nb
 
+        # Every scalar indexed by the program id is loaded here, before any branch, so the
+        # program's dependent chain is: these loads -> the loads they address -> stores.
+        # (Loads inside a branch would wait for the stores of the branch before it.) The
+        # indices are clamped into range; a program past the row / token count ignores them.
+        b = p if num_rows >= num_tokens else jnp.minimum(p, num_rows - 1)
+        slot, hs, n, dest, dest_len = active[b], has_state[b] != 0, commit[b], t_dest[b], t_len[b]
+        own_tok = [_index(row_tok[b, j], num_tokens) for j in range(row_owned)]
+        t = p if num_tokens >= num_rows else jnp.minimum(p, num_tokens - 1)
+        tb, tj = _index(tok_row[t], num_rows), _index(tok_off[t], q)
+
         @_when(num_rows >= num_tokens, p < num_rows)
         def _row():
-            b = p
-            slot = active[b]
-            hs = has_state[b] != 0
             base = slot_base(slot)
             old = [_masked_load(arena_in.at[pl.ds(base + r * plan.row_stride, nb), :], hs, blk, arena_dtype)
                    for r in range(km1)]
             old_x = [o.astype(x_dtype) for o in old]
-            w = weights()
+            new_x = [x_at(own_tok[j]) for j in range(row_owned)]
+
+            def x_of(j):  # the row's j-th new token (static j: already loaded)
+                if isinstance(j, int) and j < row_owned:
+                    return new_x[j]
+                return x_at(_index(row_tok[b, j], num_tokens))
+
+            w = [w_ref[i, cblk, :] for i in range(k)]
             # y of the row's first K-1 new tokens: the tokens that read this window
-            for j in range(min(km1, q)):
-                t = _index(row_tok[b, j], num_tokens)
-                owned = (_index(tok_row[t], num_rows) == b) & (_index(tok_off[t], q) == j)
+            for j in range(row_owned):
+                tj_ = own_tok[j]
+                owned = (_index(tok_row[tj_], num_rows) == b) & (_index(tok_off[tj_], q) == j)
 
                 @pl.when(owned)
-                def _(j=j, t=t):
-                    taps = [old_x[j + i] if j + i < km1 else x_of(b, j + i - km1) for i in range(k)]
-                    y_ref[t, cblk, :] = conv_combine(x_of(b, j), taps, w, interpret)
-
-            n = commit[b]
+                def _(j=j, tj_=tj_):
+                    taps = [old_x[j + i] if j + i < km1 else x_of(j + i - km1) for i in range(k)]
+                    y_ref[tj_, cblk, :] = conv_combine(new_x[j], taps, w, interpret)
 
             @pl.when((n != 0) & (slot != 0))
             def _():
                 _store_window(plan, arena_out, base,
-                              _window_after(plan, old_x, lambda j: x_of(b, j), n, q, x_dtype, arena_dtype,
-                                            arena_dtype))
-
-            dest = t_dest[b]
+                              _window_after(plan, old_x, x_of, n, q, x_dtype, arena_dtype, arena_dtype))
 
             @pl.when(dest != 0)
             def _():
                 _store_window(plan, arena_out, slot_base(dest),
-                              _window_after(plan, old_x, lambda j: x_of(b, j), t_len[b], q, x_dtype, arena_dtype,
-                                            arena_dtype))
+                              _window_after(plan, old_x, x_of, dest_len, q, x_dtype, arena_dtype, arena_dtype))
 
         @_when(num_tokens >= num_rows, p < num_tokens)
         def _token():
-            t = p
-            b = _index(tok_row[t], num_rows)
-            j = _index(tok_off[t], q)
-            owned = (j < km1) & (_index(row_tok[b, j], num_tokens) == t)
+            # token t's output, unless it is its row's j-th new token for j < K-1 (the row's
+            # program writes that one)
+            owned = (tj < km1) & (_index(row_tok[tb, tj], num_tokens) == t)
 
             @pl.when(jnp.logical_not(owned))
             def _():
-                hs = has_state[b] != 0
-                base = slot_base(active[b])
+                hs_t = has_state[tb] != 0
+                base = slot_base(active[tb])
                 taps = []
                 for i in range(k):
-                    m = j + i  # row of the padded inputs [old window ++ new tokens]
-                    from_x = x_of(b, jnp.clip(m - km1, 0, q - 1))
+                    m = tj + i  # row of the padded inputs [old window ++ new tokens]
+                    from_x = x_at(_index(row_tok[tb, jnp.clip(m - km1, 0, q - 1)], num_tokens))
                     from_w = _masked_load(arena_in.at[pl.ds(base + jnp.minimum(m, km1 - 1) * plan.row_stride, nb), :],
-                                          (m < km1) & hs, blk, arena_dtype)
+                                          (m < km1) & hs_t, blk, arena_dtype)
                     taps.append(jnp.where(m < km1, from_w.astype(x_dtype), from_x))
-                y_ref[t, cblk, :] = conv_combine(x_of(b, j), taps, weights(), interpret)
+                x_t = x_at(_index(row_tok[tb, tj], num_tokens))
+                y_ref[t, cblk, :] = conv_combine(x_t, taps, [w_ref[i, cblk, :] for i in range(k)], interpret)
 
     return kernel
 
@@ -285,8 +297,8 @@ def _update_pallas(plan: ConvPlan, arena, x, weight, meta: ConvMeta, interpret: 
 
 
 def conv_update(arena: Array, layout: ArenaLayout, f: Field, channels: tuple[int, int], x: Float[Array, "t c"],
-                weight: Float[Array, "k c"], meta: ConvMeta, *,
-                interpret: bool = False) -> tuple[Float[Array, "t c"], Array]:
+                weight: Float[Array, "k c"], meta: ConvMeta, *, interpret: bool = False, block: int | None = None,
+                num_warps: int | None = None) -> tuple[Float[Array, "t c"], Array]:
     """Fused conv + active / checkpoint window writes for one stream (extend and decode).
 
     Same contract and result as `inkling_jax.cache.conv_state.conv_update` (see the module
@@ -295,7 +307,7 @@ def conv_update(arena: Array, layout: ArenaLayout, f: Field, channels: tuple[int
     num_rows, q = meta.row_tokens.shape
     ok_shapes = x.ndim == 2 and weight.ndim == 2 and weight.shape[1] == x.shape[1] and q > 0
     plan = conv_plan(arena.shape, layout, f, channels, x.shape[1], weight.shape[0],
-                     max(num_tokens, num_rows) if num_tokens and num_rows else 0) if ok_shapes else None
+                     max(num_tokens, num_rows) if num_tokens and num_rows else 0, block, num_warps) if ok_shapes else None
     ref_fn = lambda a, xx, w, m: ref.conv_update(a, layout, f, channels, xx, w, m)
     if plan is None:
         return ref_fn(arena, x, weight, meta)
@@ -357,7 +369,8 @@ def _write_pallas(plan: ConvPlan, arena, x, window, meta: ConvMeta, interpret: b
 
 
 def conv_write(arena: Array, layout: ArenaLayout, f: Field, channels: tuple[int, int], x: Float[Array, "t c"],
-               window: Float[Array, "b km1 c"], meta: ConvMeta, *, interpret: bool = False) -> Array:
+               window: Float[Array, "b km1 c"], meta: ConvMeta, *, interpret: bool = False, block: int | None = None,
+               num_warps: int | None = None) -> Array:
     """Write the active (commit_len != 0) and checkpoint windows of one stream.
 
     Same contract and result as `inkling_jax.cache.conv_state.conv_write`; `window` is the
@@ -368,7 +381,7 @@ def conv_write(arena: Array, layout: ArenaLayout, f: Field, channels: tuple[int,
     ok_shapes = (x.ndim == 2 and window.ndim == 3 and window.shape[1:] == (f.shape[0], x.shape[1])
                  and meta.row_tokens.shape[0] == num_rows and meta.row_tokens.shape[1] > 0)
     plan = conv_plan(arena.shape, layout, f, channels, x.shape[1], window.shape[1] + 1,
-                     num_rows if num_tokens and num_rows else 0) if ok_shapes else None
+                     num_rows if num_tokens and num_rows else 0, block, num_warps) if ok_shapes else None
     ref_fn = lambda a, xx, w, m: ref.conv_write(a, layout, f, channels, xx, w, m)
     if plan is None:
         return ref_fn(arena, x, window, meta)

@@ -1,0 +1,63 @@
+"""Device (kernel) time from a jax profiler trace, for the GPU benchmarks.
+
+    events = traced_device_events(fn)     # runs fn() under jax.profiler.trace
+    device_events(trace_dir)              # the events of a trace already written
+
+A `DeviceEvent` is every kernel, memcpy or memset on a GPU stream line, with the HLO op it
+runs for where the trace names one. On a backend without a GPU plane (CPU) there are none.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import tempfile
+import warnings
+from typing import NamedTuple
+
+import jax
+from jax.profiler import ProfileData
+
+
+class DeviceEvent(NamedTuple):
+    line: str  # the stream
+    op: str | None  # the HLO op (its `hlo_op` stat), where the trace says
+    kernel: str  # the kernel (or memcpy / memset) name
+    start_ns: int
+    duration_ns: int
+
+    @property
+    def label(self) -> str:
+        return f"{self.op} [{self.kernel[:80]}]" if self.op else self.kernel
+
+
+def _stats(ev) -> dict:
+    with warnings.catch_warnings():  # jax 0.11 warns that iterating the stats is deprecated
+        warnings.simplefilter("ignore")
+        return dict(ev.stats)
+
+
+def device_events(trace_dir: str) -> list[DeviceEvent]:
+    paths = sorted(glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True))
+    if not paths:
+        return []
+    pd = ProfileData.from_file(paths[-1])
+    out = []
+    for plane in pd.planes:
+        if not plane.name.startswith("/device:GPU"):
+            continue
+        for line in plane.lines:
+            if not line.name.startswith("Stream"):
+                continue  # derived lines (XLA Modules / Ops, Steps) would count kernels twice
+            for ev in line.events:
+                out.append(DeviceEvent(line.name, _stats(ev).get("hlo_op"), ev.name, ev.start_ns, ev.duration_ns))
+    out.sort(key=lambda e: e.start_ns)
+    return out
+
+
+def traced_device_events(fn) -> list[DeviceEvent]:
+    """Run fn() (which must block until its device work is done) under the profiler."""
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d):
+            fn()
+        return device_events(d)
