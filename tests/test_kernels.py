@@ -237,6 +237,34 @@ def test_conv_update_odd_field():
         assert_arena(got, want, arena, lay, f"odd {trial}")
 
 
+def test_conv_update_block_override():
+    """Every channel block the bench sweep may pick (block / num_warps overrides) gives the
+    reference's result; a block that is not a power of two dividing the width is refused."""
+    lay = tiny_layout(4)
+    f = lay.target[2].conv
+    ch = stream_channels(f, lay.cfg, "attn")
+    width = ch[1] - ch[0]
+    rng = np.random.RandomState(11)
+    arena = random_arena(rng, lay, conv_fields(lay), jnp.bfloat16)
+    x = jnp.asarray(rng.standard_normal((4, width)), jnp.bfloat16)
+    w = jnp.asarray(0.5 * rng.standard_normal((4, width)), jnp.bfloat16)
+    meta = random_meta(rng, 4, 4, 3, decode=True)
+    y_ref, want = jax.jit(lambda a: ref_conv.conv_update(a, lay, f, ch, x, w, meta))(arena)
+    blocks = [b for b in (8, 16, 32, 64) if width % b == 0]
+    assert len(blocks) >= 3
+    for block in blocks:
+        plan = pconv.conv_plan((NUM_SLOTS * lay.slot_units + EXTRA_UNITS, lay.unit_elems), lay, f, ch, width, 4, 4,
+                               block=block, num_warps=2)
+        assert (plan.block, plan.nblocks, plan.num_warps) == (block, width // block, 2)
+        y, got = jax.jit(lambda a, b=block: pconv.conv_update(a, lay, f, ch, x, w, meta, interpret=INTERPRET,
+                                                               block=b, num_warps=2))(arena)
+        assert_y(y, y_ref, f"block {block} y")
+        assert_arena(got, want, arena, lay, f"block {block}")
+    for bad in (0, 3 * blocks[0], 2 * width):
+        with pytest.raises(ValueError, match="block must be a power of two"):
+            pconv.conv_update(arena, lay, f, ch, x, w, meta, interpret=INTERPRET, block=bad)
+
+
 # ------------------------------------------------------------------------- conv_write
 
 
