@@ -453,20 +453,22 @@ def test_kernels_lower_for_gpu():
 
 
 def test_engine_with_pallas_kernels_matches_jnp(trunk_params):
-    """The engine wired to the Pallas ops (interpret mode here, compiled in bench/gpu_check.py)
-    generates what the jnp engine generates: one request at batch 1, so the decode steps
+    """The engine wired to the Pallas ops (interpret mode on CPU, compiled on a GPU) generates
+    what the jnp engine generates: one request at batch 1, so the decode steps
     also take the few-token MoE kernel (`ConvOps.moe_experts`). Tokens equal; log-probs within
     1e-5 (the MoE kernel sums in another order than XLA)."""
     prompt = list(np.random.RandomState(4).randint(3, TRUNK.unpadded_vocab_size, 11))
     out = {}
     for pallas in (False, True):
-        kw = {**ENGINE_KW, "max_running": 1, "min_batch_bucket": 1, "use_pallas": pallas, "pallas_interpret": pallas}
-        engine = ik.Engine(TRUNK, trunk_params, ik.EngineConfig(**kw))
-        if pallas:
-            assert engine.ops.moe_experts is not None
-        (req,) = engine.submit([prompt], ik.SamplingParams(max_new_tokens=6))
-        while engine.running or engine.waiting:
-            engine.step()
+        kw = {**ENGINE_KW, "max_running": 1, "min_batch_bucket": 1, "use_pallas": pallas,
+              "pallas_interpret": pallas and INTERPRET}
+        with jax.default_matmul_precision("highest"):  # true f32 products on a GPU too (not TF32)
+            engine = ik.Engine(TRUNK, trunk_params, ik.EngineConfig(**kw))
+            if pallas:
+                assert engine.ops.moe_experts is not None
+            (req,) = engine.submit([prompt], ik.SamplingParams(max_new_tokens=6))
+            while engine.running or engine.waiting:
+                engine.step()
         engine.check_invariants()
         out[pallas] = (list(req.out_tokens), np.asarray(req.out_logprobs))
     assert out[True][0] == out[False][0]
