@@ -206,15 +206,20 @@ def _update_kernel(plan: ConvPlan, num_tokens: int, num_rows: int, q: int, k: in
         def slot_base(slot):
             return slot * plan.slot_stride + plan.field0 + plan.chan0 + cb * nb
 
-        # Every scalar indexed by the program id is loaded here, before any branch, so the
-        # program's dependent chain is: these loads -> the loads they address -> stores.
-        # (Loads inside a branch would wait for the stores of the branch before it.) The
-        # indices are clamped into range; a program past the row / token count ignores them.
+        # The scalars are loaded here, before any branch, in two dependent rounds (those
+        # indexed by the program id, then those indexed by the token's row), so a decode
+        # program's chain is: scalars -> window and x loads -> stores. Loads inside a branch
+        # would be issued only after the stores of the branch before it: one more memory
+        # round trip each. The indices are clamped into range; a program past the row /
+        # token count ignores what it loaded.
         b = p if num_rows >= num_tokens else jnp.minimum(p, num_rows - 1)
         slot, hs, n, dest, dest_len = active[b], has_state[b] != 0, commit[b], t_dest[b], t_len[b]
         own_tok = [_index(row_tok[b, j], num_tokens) for j in range(row_owned)]
         t = p if num_tokens >= num_rows else jnp.minimum(p, num_tokens - 1)
         tb, tj = _index(tok_row[t], num_rows), _index(tok_off[t], q)
+        # second round, also before any branch: what the token part needs of its row
+        tok_owner = _index(row_tok[tb, tj], num_tokens)
+        hs_t, slot_t = has_state[tb] != 0, active[tb]
 
         @_when(num_rows >= num_tokens, p < num_rows)
         def _row():
@@ -254,12 +259,11 @@ def _update_kernel(plan: ConvPlan, num_tokens: int, num_rows: int, q: int, k: in
         def _token():
             # token t's output, unless it is its row's j-th new token for j < K-1 (the row's
             # program writes that one)
-            owned = (tj < km1) & (_index(row_tok[tb, tj], num_tokens) == t)
+            owned = (tj < km1) & (tok_owner == t)
 
             @pl.when(jnp.logical_not(owned))
             def _():
-                hs_t = has_state[tb] != 0
-                base = slot_base(active[tb])
+                base = slot_base(slot_t)
                 taps = []
                 for i in range(k):
                     m = tj + i  # row of the padded inputs [old window ++ new tokens]
@@ -267,7 +271,7 @@ def _update_kernel(plan: ConvPlan, num_tokens: int, num_rows: int, q: int, k: in
                     from_w = _masked_load(arena_in.at[pl.ds(base + jnp.minimum(m, km1 - 1) * plan.row_stride, nb), :],
                                           (m < km1) & hs_t, blk, arena_dtype)
                     taps.append(jnp.where(m < km1, from_w.astype(x_dtype), from_x))
-                x_t = x_at(_index(row_tok[tb, tj], num_tokens))
+                x_t = x_at(tok_owner)
                 y_ref[t, cblk, :] = conv_combine(x_t, taps, [w_ref[i, cblk, :] for i in range(k)], interpret)
 
     return kernel
