@@ -493,7 +493,7 @@ def moe_case(s: Setup, ops, n: int, rng) -> Row:
 # ---------------------------------------------------------------------------- sweep
 
 
-def sweep(s: Setup, rng, compare_module: str = "") -> list[tuple[str, int, int, Row]]:
+def sweep(s: Setup, rng, compare_module: str = "", grid: bool = True) -> list[tuple[str, int, int, Row]]:
     """The conv_update kernel's (block, num_warps) choices on the cases that missed a target;
     with compare_module (a module with conv_update's signature, e.g. an earlier version of
     pallas_kernels/conv_state.py copied beside it) also that module's default plan."""
@@ -514,6 +514,8 @@ def sweep(s: Setup, rng, compare_module: str = "") -> list[tuple[str, int, int, 
         for block in (b_ for b_ in (16, 32, 64, 128, 256, 512, 1024, 2048) if width // 16 <= b_ <= width):
             for warps in (1, 2, 4, 8):
                 if not 64 <= block // warps <= 512 and warps != 1:
+                    continue
+                if not grid and (block, warps) != (default.block, default.num_warps):
                     continue
                 try:
                     row = conv_update_case(s, None, name, f, ch, b, q, rng, trials=1, time_ref=False, block=block,
@@ -536,7 +538,9 @@ def main() -> int:
     p.add_argument("--batches", default="", help="comma-separated batch sizes (default 1,32,256)")
     p.add_argument("--iters", type=int, default=0)
     p.add_argument("--reps", type=int, default=0)
-    p.add_argument("--sweep", action="store_true", help="also time the conv_update kernel's block / warp choices")
+    p.add_argument("--sweep", nargs="?", const="grid", default="", choices=["grid", "default"],
+                   help="also time the conv_update kernel on the sweep cases: every block / warp choice (grid), "
+                        "or the default plan only (with --compare-module: side by side)")
     p.add_argument("--compare-module", default="", help="with --sweep: also time this module's conv_update")
     p.add_argument("--out", default="", help="also write the table(s) to this markdown file")
     args = p.parse_args()
@@ -586,7 +590,7 @@ def main() -> int:
             run(("conv_update extend", f"{name}, B={b}"), lambda: conv_update_case(s, ops, name, f, ch, b, q, rng))
     for n in s.moe_tokens:
         run(("moe_experts", f"n={n}"), lambda: moe_case(s, ops, n, rng))
-    swept = sweep(s, rng, args.compare_module) if args.sweep else []
+    swept = sweep(s, rng, args.compare_module, grid=args.sweep == "grid") if args.sweep else []
 
     unit = "device µs (kernels only, L2 flushed between ops)" if s.flush else "wall µs / op"
     lines = [head, "", f"Pallas vs XLA reference; copy bandwidth {bw / 1e9:.0f} GB/s; {jax.devices()[0].device_kind}; "
