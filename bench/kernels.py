@@ -529,6 +529,43 @@ def sweep(s: Setup, rng, compare_module: str = "", grid: bool = True) -> list[tu
     return out
 
 
+def moe_sweep(s: Setup, rng, n: int = 1) -> list[tuple[str, Row]]:
+    """The grouped mat-vec kernel's tiles on the gate|up product of n tokens' routed experts
+    (x [n*k, h] @ w13[idx], F = 2f): tf x bh x num_warps (splits: the default rule)."""
+    cfg = s.cfg
+    e, h, f, k = cfg.n_routed_experts, cfg.hidden_size, cfg.expert_intermediate_size, cfg.num_experts_per_tok
+    m, two_f = n * k, 2 * f
+    key = jax.random.key(7)
+    w13 = (0.02 * jax.random.normal(key, (e, h, two_f), jnp.float32)).astype(s.dtype)
+    x = jax.random.normal(jax.random.fold_in(key, 2), (m, h), jnp.float32).astype(s.dtype)
+    idx = jnp.asarray(rng.permutation(e)[:m], jnp.int32)
+    with jax.default_matmul_precision("highest"):
+        want = jnp.einsum("mh,mhf->mf", x.astype(jnp.float32), w13[idx].astype(jnp.float32))
+    out = []
+    for tf in (64, 128, 256):
+        for bh in (32, 64, 128):
+            for warps in (2, 4, 8):
+                kw = dict(tf=tf, bh=bh, num_warps=warps, interpret=s.interpret)
+                grid = pk.moe.grid_for(m, h, two_f, tf=tf, bh=bh)
+                label = f"gate|up, m={m}, tf={tf} bh={bh} warps={warps} grid={grid}"
+                try:
+                    got = jax.jit(lambda x_: pk.moe.grouped_matvec(x_, idx, w13, **kw))(x)
+                    err = float(_rel_err(got, want))
+                    check = f"y~ {err:.1e}" if err <= 1e-2 else f"FAIL y {err:.1e}"
+                    if two_f == h:  # y feeds the next call's x
+                        op = lambda x_: pk.moe.grouped_matvec(x_, idx, w13, **kw).astype(x_.dtype)
+                        row = Row("grouped_matvec", label, check, timed(s, op, x.copy(), ()), None,
+                                  m * h * two_f * jnp.dtype(s.dtype).itemsize)
+                    else:
+                        row = Row("grouped_matvec", label, check)
+                except Exception as exc:  # report and carry on
+                    row = Row("grouped_matvec", label, "ERROR", error=f"{type(exc).__name__}: {exc}"[:100])
+                out.append((label, row))
+                t = row.t_pallas.seconds * 1e6 if row.t_pallas else float("nan")
+                print(f"moe sweep {label}: {row.check} {t:.2f} us", flush=True)
+    return out
+
+
 # ---------------------------------------------------------------------------- main
 
 
@@ -591,6 +628,7 @@ def main() -> int:
     for n in s.moe_tokens:
         run(("moe_experts", f"n={n}"), lambda: moe_case(s, ops, n, rng))
     swept = sweep(s, rng, args.compare_module, grid=args.sweep == "grid") if args.sweep else []
+    moe_swept = moe_sweep(s, rng) if args.sweep == "grid" else []
 
     unit = "device µs (kernels only, L2 flushed between ops)" if s.flush else "wall µs / op"
     lines = [head, "", f"Pallas vs XLA reference; copy bandwidth {bw / 1e9:.0f} GB/s; {jax.devices()[0].device_kind}; "
@@ -616,7 +654,13 @@ def main() -> int:
             t = r.t_pallas.seconds if r.t_pallas else float("nan")
             lines.append(f"| {shape} | {block} | {warps} | {r.check} | {t * 1e6:.2f} | "
                          f"{100 * r.nbytes / t / bw:.1f}% |")
-    failed = [r for r in rows + [x[3] for x in swept] if not (r.check == "exact" or r.check.startswith("y~"))]
+    if moe_swept:
+        lines += ["", "MoE grouped mat-vec kernel: tiles (Pallas only)", "",
+                  "| case | check | Pallas µs | % copy BW |", "|---|---|---:|---:|"]
+        for label, r in moe_swept:
+            t = r.t_pallas.seconds if r.t_pallas else float("nan")
+            lines.append(f"| {label} | {r.check} | {t * 1e6:.2f} | {100 * r.nbytes / t / bw:.1f}% |")
+    failed = [r for r in rows + [x[3] for x in swept] + [x[1] for x in moe_swept] if not (r.check == "exact" or r.check.startswith("y~"))]
     lines += ["", "ALL PASS" if not failed else f"{len(failed)} FAILED"]
     print()
     print("\n".join(lines))
