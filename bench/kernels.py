@@ -578,6 +578,7 @@ def main() -> int:
     p.add_argument("--sweep", nargs="?", const="grid", default="", choices=["grid", "default"],
                    help="also time the conv_update kernel on the sweep cases: every block / warp choice (grid), "
                         "or the default plan only (with --compare-module: side by side)")
+    p.add_argument("--moe-sweep", action="store_true", help="also time the MoE kernel's tile choices")
     p.add_argument("--compare-module", default="", help="with --sweep: also time this module's conv_update")
     p.add_argument("--out", default="", help="also write the table(s) to this markdown file")
     args = p.parse_args()
@@ -628,7 +629,7 @@ def main() -> int:
     for n in s.moe_tokens:
         run(("moe_experts", f"n={n}"), lambda: moe_case(s, ops, n, rng))
     swept = sweep(s, rng, args.compare_module, grid=args.sweep == "grid") if args.sweep else []
-    moe_swept = moe_sweep(s, rng) if args.sweep == "grid" else []
+    moe_swept = moe_sweep(s, rng) if args.moe_sweep else []
 
     unit = "device µs (kernels only, L2 flushed between ops)" if s.flush else "wall µs / op"
     lines = [head, "", f"Pallas vs XLA reference; copy bandwidth {bw / 1e9:.0f} GB/s; {jax.devices()[0].device_kind}; "

@@ -206,23 +206,21 @@ def _update_kernel(plan: ConvPlan, num_tokens: int, num_rows: int, q: int, k: in
         def slot_base(slot):
             return slot * plan.slot_stride + plan.field0 + plan.chan0 + cb * nb
 
-        # The scalars are loaded here, before any branch, in two dependent rounds (those
-        # indexed by the program id, then those indexed by the token's row), so a decode
-        # program's chain is: scalars -> window and x loads -> stores. Loads inside a branch
-        # would be issued only after the stores of the branch before it: one more memory
-        # round trip each. The indices are clamped into range; a program past the row /
-        # token count ignores what it loaded.
-        b = p if num_rows >= num_tokens else jnp.minimum(p, num_rows - 1)
-        slot, hs, n, dest, dest_len = active[b], has_state[b] != 0, commit[b], t_dest[b], t_len[b]
-        own_tok = [_index(row_tok[b, j], num_tokens) for j in range(row_owned)]
+        # The token part's scalars are loaded here, before the row part, in two dependent
+        # rounds (indexed by the program id, then by the token's row). Inside the token
+        # branch they would be issued only after the row part's stores: on a decode program
+        # (both parts) one more memory round trip. The indices are clamped into range; a
+        # program past the token count ignores what it loaded.
         t = p if num_tokens >= num_rows else jnp.minimum(p, num_tokens - 1)
         tb, tj = _index(tok_row[t], num_rows), _index(tok_off[t], q)
-        # second round, also before any branch: what the token part needs of its row
         tok_owner = _index(row_tok[tb, tj], num_tokens)
         hs_t, slot_t = has_state[tb] != 0, active[tb]
 
         @_when(num_rows >= num_tokens, p < num_rows)
         def _row():
+            b = p
+            slot, hs, n, dest, dest_len = active[b], has_state[b] != 0, commit[b], t_dest[b], t_len[b]
+            own_tok = [_index(row_tok[b, j], num_tokens) for j in range(row_owned)]
             base = slot_base(slot)
             old = [_masked_load(arena_in.at[pl.ds(base + r * plan.row_stride, nb), :], hs, blk, arena_dtype)
                    for r in range(km1)]
