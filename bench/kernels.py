@@ -1,13 +1,24 @@
-"""Pallas conv-state / slot kernels against their jnp (XLA) references, on the GPU.
+"""Pallas conv-state / slot / MoE kernels against their jnp (XLA) references, on the GPU.
 
-    python bench/kernels.py            # InklingConfig.bench() streams, K=4, bf16 arena, batch 1/32/256
+    python bench/kernels.py [--out kernels.md]   # InklingConfig.bench() streams, K=4, bf16 arena, batch 1/32/256
+    python bench/kernels.py --sweep [grid|default] [--compare-module M] [--moe-sweep]
     python bench/kernels.py --smoke    # tiny sizes, interpret mode: runs anywhere (CPU) in about a minute
 
 For every (kernel, stream, batch) it first checks the kernel against the reference on random
 batches (random slot permutations, padded rows, rows without state, commit_len 0, checkpoints)
-and prints PASS / FAIL, then times both (jitted, arena donated, `reps` calls unrolled in one
-jit, warm-up, median of `iters` runs) and reports the bytes that must move per call / time as
-a fraction of the measured device copy bandwidth. Output: one markdown table.
+and prints PASS / FAIL, then times both: jitted, state donated, `reps` ops unrolled in one jit
+with an L2 flush kernel (`l2_flush`, 256 MB) between ops, `iters` calls under the jax
+profiler. The time of an op is its device (kernel) time from the trace, the flush kernels
+left out, median over the iters * reps ops; so launches and host dispatch are not in it, and
+every op finds its data in HBM as a decode step does. Reported per op: the time, launches,
+bytes that must move / time as a fraction of the device copy bandwidth (a 2 GB copy, device
+time), and the time of a device copy of the same byte count (`same_size_copy`: what any
+kernel of that size can reach). With --smoke (CPU, no trace) times are wall time / reps.
+
+--sweep grid times the conv_update kernel over channel blocks and warps on the cases that
+matter (--sweep default: the default plan only); --compare-module M also times M.conv_update
+(e.g. an earlier pallas_kernels/conv_state.py copied beside it). --moe-sweep times the MoE
+grouped mat-vec kernel's tiles.
 
 check: `exact` = arena (outside the sink) and y bit for bit; `y~ e` = arena exact, y within
 e (max |diff| / max |y|; the reference's fp32 accumulation order on GPU is XLA's choice);
