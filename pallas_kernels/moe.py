@@ -145,6 +145,20 @@ def _partials(x, idx, w, tf: int, bh: int, s: int, num_warps: int, interpret: bo
         jnp.clip(idx.astype(jnp.int32), 0, w.shape[0] - 1), x, w)
 
 
+def _grouped_matvec_fwd(x, idx, w, *, tf: int, bh: int, splits: int | None, num_warps: int, target_programs: int,
+                        interpret: bool) -> Array:
+    """grouped_matvec without its custom VJP: the kernel, or the reference where the shapes need it."""
+    if x.ndim != 2 or w.ndim != 3 or idx.shape != x.shape[:1] or w.shape[1] != x.shape[1]:
+        return _grouped_matvec_ref(x, idx, w)
+    m, h = x.shape
+    plan = _plan(m, h, w.shape[2], tf, bh, splits, target_programs)
+    if plan is None:
+        return _grouped_matvec_ref(x, idx, w)
+    tf_, bh_, s = plan
+    part = _partials(x, idx, w, tf_, bh_, s, num_warps, interpret)
+    return part[:, 0] if s == 1 else jnp.sum(part, axis=1)
+
+
 def grouped_matvec(x: Float[Array, "m h"], idx: Int[Array, "m"], w: Float[Array, "E h F"], *,
                    tf: int = TF, bh: int = BH, splits: int | None = None, num_warps: int = NUM_WARPS,
                    target_programs: int = TARGET_PROGRAMS, interpret: bool = False) -> Float[Array, "m F"]:
@@ -153,18 +167,8 @@ def grouped_matvec(x: Float[Array, "m h"], idx: Int[Array, "m"], w: Float[Array,
     tf / bh: column tile and row block (powers of two, shrunk to divide F / h); splits: the
     number S of contracting chunks (default: the smallest power of two reaching
     `target_programs` programs). See the module docstring."""
-    if x.ndim != 2 or w.ndim != 3 or idx.shape != x.shape[:1] or w.shape[1] != x.shape[1]:
-        return _grouped_matvec_ref(x, idx, w)
-    m, h = x.shape
-    plan = _plan(m, h, w.shape[2], tf, bh, splits, target_programs)
-    if plan is None:
-        return _grouped_matvec_ref(x, idx, w)
-    tf_, bh_, s = plan
-
-    def kernel_fn(x, idx, w):
-        part = _partials(x, idx, w, tf_, bh_, s, num_warps, interpret)
-        return part[:, 0] if s == 1 else jnp.sum(part, axis=1)
-
+    kw = dict(tf=tf, bh=bh, splits=splits, num_warps=num_warps, target_programs=target_programs, interpret=interpret)
+    kernel_fn = lambda x, idx, w: _grouped_matvec_fwd(x, idx, w, **kw)
     return with_ref_vjp(kernel_fn, _grouped_matvec_ref)(x, idx, w)
 
 
@@ -173,10 +177,10 @@ def _moe_kernel(x, idx, weight, w13, w2, kw) -> Array:
     m = n * k
     flat = idx.reshape(m).astype(jnp.int32)
     x_rep = jnp.repeat(x, k, axis=0)  # row t * k + j: token t, choice j
-    gu = grouped_matvec(x_rep, flat, w13, **kw)
+    gu = _grouped_matvec_fwd(x_rep, flat, w13, **kw)  # moe_experts' own VJP covers both products
     half = gu.shape[-1] // 2
     act = (jax.nn.silu(gu[:, :half]) * gu[:, half:]).astype(x.dtype)
-    y = grouped_matvec(act, flat, w2, **kw).astype(x.dtype).astype(jnp.float32).reshape(n, k, -1)
+    y = _grouped_matvec_fwd(act, flat, w2, **kw).astype(x.dtype).astype(jnp.float32).reshape(n, k, -1)
     wt = weight.astype(jnp.float32)
     acc = jnp.zeros((n, y.shape[-1]), jnp.float32)
     for j in range(k):  # the reference's order
