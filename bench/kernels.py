@@ -16,7 +16,8 @@ time), and the time of a device copy of the same byte count (`same_size_copy`: w
 kernel of that size can reach). With --smoke (CPU, no trace) times are wall time / reps.
 
 --sweep grid times the conv_update kernel over channel blocks and warps on the cases that
-matter (--sweep default: the default plan only); --compare-module M also times M.conv_update
+matter (--sweep default: the default plan only), and on the extend cases over tokens per
+program (tile 1-16); --compare-module M also times M.conv_update
 (e.g. an earlier pallas_kernels/conv_state.py copied beside it). --moe-sweep times the MoE
 grouped mat-vec kernel's tiles.
 
@@ -373,7 +374,7 @@ def timed(s: Setup, op, state, args) -> Timing:
 
 def conv_update_case(s: Setup, ops, name, f: Field, ch, rows: int, q: int, rng, trials: int = 2,
                      time_ref: bool = True, **tuning) -> Row:
-    """tuning: block / num_warps for the Pallas kernel (the sweep); the default plan otherwise."""
+    """tuning: block / num_warps / tile for the Pallas kernel (the sweep); the default plan otherwise."""
     w_ = ch[1] - ch[0]
     k, km1, item = s.k, s.k - 1, jnp.dtype(s.dtype).itemsize
     lay = s.lay
@@ -536,6 +537,18 @@ def sweep(s: Setup, rng, compare_module: str = "", grid: bool = True) -> list[tu
                 mark = " (default)" if (default.block, default.num_warps) == (block, warps) else ""
                 out.append((row.shape + mark, block, warps, row))
                 print(f"sweep {row.shape}{mark} block={block} warps={warps}: {row.check} "
+                      f"{row.t_pallas.seconds * 1e6 if row.t_pallas else float('nan'):.2f} us", flush=True)
+        if q > 1:  # extend: tokens per program, at the default block and warps
+            default_tile = pk.conv_state.token_tile(b * q, b, default.nblocks)
+            for tile in (1, 2, 4, 8, 16):
+                try:
+                    row = conv_update_case(s, None, name, f, ch, b, q, rng, trials=1, time_ref=False,
+                                           block=default.block, num_warps=default.num_warps, tile=tile)
+                except Exception as exc:  # report and carry on
+                    row = Row("conv_update", f"{name}, B={b}", "ERROR", error=f"{type(exc).__name__}: {exc}"[:100])
+                mark = " (default)" if tile == default_tile else ""
+                out.append((f"{row.shape}, tile {tile}{mark}", default.block, default.num_warps, row))
+                print(f"sweep {row.shape} tile={tile}{mark}: {row.check} "
                       f"{row.t_pallas.seconds * 1e6 if row.t_pallas else float('nan'):.2f} us", flush=True)
     return out
 

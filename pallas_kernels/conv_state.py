@@ -84,7 +84,8 @@ from ._common import INT32_MAX, conv_combine, pallas_call, pow2_factor, pow2_flo
 
 MAX_BLOCK = 1024  # channels per program at most
 MIN_BLOCK = 256  # channels per program at least (when the stream is that wide)
-TARGET_PROGRAMS = 512  # shrink blocks (down to MIN_BLOCK) until the grid has about this many
+TARGET_PROGRAMS = 512  # shrink blocks (down to MIN_BLOCK), grow token tiles, until the grid has about this many
+MAX_TILE = 8  # tokens per extend program at most
 
 
 @dataclass(frozen=True)
@@ -189,11 +190,15 @@ def _split_pid(plan: ConvPlan):
 # ----------------------------------------------------------------------------- conv_update
 
 
-def _update_kernel(plan: ConvPlan, num_tokens: int, num_rows: int, q: int, k: int, x_dtype, arena_dtype,
-                   interpret: bool):
+def _update_kernel(plan: ConvPlan, num_tokens: int, num_rows: int, q: int, k: int, tile: int, x_dtype,
+                   arena_dtype, interpret: bool):
     km1, nb, g = plan.km1, plan.nb, plan.granule
     blk = (nb, g)
     row_owned = min(km1, q)  # new tokens per row that read the row's window
+    token_programs = -(-num_tokens // tile)
+    # x rows a token program reads by guess: its tile and the K-1 rows before it (none for
+    # one token per program: a guess saves no load there, and measured slower on the H200)
+    span = tile + km1 if tile > 1 else 0
 
     def kernel(tok_row, tok_off, row_tok, has_state, commit, active, t_dest, t_len, x_ref, w_ref, arena_in,
                y_ref, arena_out):
@@ -206,17 +211,31 @@ def _update_kernel(plan: ConvPlan, num_tokens: int, num_rows: int, q: int, k: in
         def slot_base(slot):
             return slot * plan.slot_stride + plan.field0 + plan.chan0 + cb * nb
 
-        # The token part's scalars are loaded here, before the row part, in two dependent
-        # rounds (indexed by the program id, then by the token's row). Inside the token
-        # branch they would be issued only after the row part's stores: on a decode program
-        # (both parts) one more memory round trip. The indices are clamped into range; a
-        # program past the token count ignores what it loaded.
-        t = p if num_tokens >= num_rows else jnp.minimum(p, num_tokens - 1)
-        tb, tj = _index(tok_row[t], num_rows), _index(tok_off[t], q)
-        tok_owner = _index(row_tok[tb, tj], num_tokens)
-        hs_t, slot_t = has_state[tb] != 0, active[tb]
+        # The token part's loads that depend on no other load are issued here, before the
+        # row part (inside the token branch they would wait behind the row part's stores):
+        # per token its scalars, in two dependent rounds (by token, then by the token's row),
+        # and with tiles of several tokens the x rows t0-K+1 .. t0+tile-1 by guess: where a
+        # row's tokens are packed in order (as steps.py packs them) those are the tile's taps,
+        # so each x row and the weights are read once per program rather than once per tap and
+        # token. A tap whose row_tokens entry names another x row reloads it (masked: no
+        # traffic when the guess was right). Indices are clamped into range; a token past T
+        # stores nothing.
+        t0 = p * tile if num_tokens >= num_rows else jnp.minimum(p, num_tokens - 1)
 
-        @_when(num_rows >= num_tokens, p < num_rows)
+        def tap_row(tb, tj, i):  # x row of tap i of new token tj of row tb: token tj + i - (K-1)
+            return _index(row_tok[tb, jnp.clip(tj + i - km1, 0, q - 1)], num_tokens)
+
+        toks = []
+        for u in range(tile):
+            t = jnp.minimum(t0 + u, num_tokens - 1) if tile > 1 else t0
+            tb, tj = _index(tok_row[t], num_rows), _index(tok_off[t], q)
+            # the token's own x row (tap K-1) always; the other taps' rows here only with a guess
+            x_idx = [tap_row(tb, tj, i) if (span or i == km1) else None for i in range(k)]
+            toks.append((t0 + u, t, tb, tj, x_idx, has_state[tb] != 0, active[tb]))
+        guess_rows = [jnp.clip(t0 + j - km1, 0, num_tokens - 1) for j in range(span)]
+        x_guess = [x_at(r) for r in guess_rows]
+
+        @_when(num_rows >= token_programs, p < num_rows)
         def _row():
             b = p
             slot, hs, n, dest, dest_len = active[b], has_state[b] != 0, commit[b], t_dest[b], t_len[b]
@@ -253,24 +272,37 @@ def _update_kernel(plan: ConvPlan, num_tokens: int, num_rows: int, q: int, k: in
                 _store_window(plan, arena_out, slot_base(dest),
                               _window_after(plan, old_x, x_of, dest_len, q, x_dtype, arena_dtype, arena_dtype))
 
-        @_when(num_tokens >= num_rows, p < num_tokens)
+        @_when(token_programs >= num_rows, p < token_programs)
         def _token():
-            # token t's output, unless it is its row's j-th new token for j < K-1 (the row's
-            # program writes that one)
-            owned = (tj < km1) & (tok_owner == t)
+            w = [w_ref[i, cblk, :] for i in range(k)]
 
-            @pl.when(jnp.logical_not(owned))
-            def _():
-                base = slot_base(slot_t)
-                taps = []
-                for i in range(k):
-                    m = tj + i  # row of the padded inputs [old window ++ new tokens]
-                    from_x = x_at(_index(row_tok[tb, jnp.clip(m - km1, 0, q - 1)], num_tokens))
-                    from_w = _masked_load(arena_in.at[pl.ds(base + jnp.minimum(m, km1 - 1) * plan.row_stride, nb), :],
-                                          (m < km1) & hs_t, blk, arena_dtype)
-                    taps.append(jnp.where(m < km1, from_w.astype(x_dtype), from_x))
-                x_t = x_at(tok_owner)
-                y_ref[t, cblk, :] = conv_combine(x_t, taps, [w_ref[i, cblk, :] for i in range(k)], interpret)
+            def x_tap(u, i, tb, tj, x_idx):  # x row of tap i for token u of the tile
+                if not span:
+                    return x_at(x_idx[i] if x_idx[i] is not None else tap_row(tb, tj, i))
+                hit = x_idx[i] == guess_rows[u + i]
+                miss = _masked_load(x_ref.at[x_idx[i], cblk, :], jnp.logical_not(hit), blk, x_dtype)
+                return jnp.where(hit, x_guess[u + i], miss)
+
+            for u, (t_raw, t, tb, tj, x_idx, hs_t, slot_t) in enumerate(toks):
+                # token t's output, unless it is its row's j-th new token for j < K-1 (the
+                # row's program writes that one)
+                owned = (tj < km1) & (x_idx[km1] == t)
+                keep = jnp.logical_not(owned)
+                if tile > 1 and num_tokens % tile:
+                    keep = keep & (t_raw < num_tokens)
+
+                @pl.when(keep)
+                def _(u=u, t=t, tb=tb, tj=tj, x_idx=x_idx, hs_t=hs_t, slot_t=slot_t):
+                    base = slot_base(slot_t)
+                    taps = []
+                    for i in range(k):
+                        m = tj + i  # row of the padded inputs [old window ++ new tokens]
+                        from_w = _masked_load(
+                            arena_in.at[pl.ds(base + jnp.minimum(m, km1 - 1) * plan.row_stride, nb), :],
+                            (m < km1) & hs_t, blk, arena_dtype)
+                        taps.append(jnp.where(m < km1, from_w.astype(x_dtype), x_tap(u, i, tb, tj, x_idx)))
+                    # taps[K-1] is x[row_tokens[tb, tj]]: the token's own input
+                    y_ref[t, cblk, :] = conv_combine(taps[km1], taps, w, interpret)
 
     return kernel
 
@@ -281,16 +313,28 @@ def _meta_arrays(meta: ConvMeta) -> list[Array]:
         meta.track_dest, meta.track_len)]
 
 
-def _update_pallas(plan: ConvPlan, arena, x, weight, meta: ConvMeta, interpret: bool):
+def token_tile(num_tokens: int, num_rows: int, nblocks: int, tile: int | None = None) -> int:
+    """Tokens per program of the extend token part (1 where T <= B, as on decode): a power of
+    two up to MAX_TILE, as large as keeps about TARGET_PROGRAMS programs."""
+    if tile is not None:
+        if not isinstance(tile, int) or tile < 1:
+            raise ValueError(f"token_tile must be a positive int, not {tile!r}")
+        return tile if num_tokens > num_rows else 1
+    if num_tokens <= num_rows:
+        return 1
+    return max(1, min(MAX_TILE, pow2_floor(num_tokens * nblocks // TARGET_PROGRAMS)))
+
+
+def _update_pallas(plan: ConvPlan, arena, x, weight, meta: ConvMeta, interpret: bool, tile: int):
     num_tokens, width = x.shape
     num_rows, q = meta.row_tokens.shape
     k = weight.shape[0]
     g = plan.granule
-    programs = max(num_tokens, num_rows) * plan.nblocks
+    programs = max(-(-num_tokens // tile), num_rows) * plan.nblocks
     arena2 = arena.reshape(-1, g)
     args = _meta_arrays(meta) + [x.reshape(num_tokens, width // g, g), weight.reshape(k, width // g, g), arena2]
     y, arena2 = pallas_call(
-        _update_kernel(plan, num_tokens, num_rows, q, k, x.dtype, arena.dtype, interpret),
+        _update_kernel(plan, num_tokens, num_rows, q, k, tile, x.dtype, arena.dtype, interpret),
         out_shape=(jax.ShapeDtypeStruct((num_tokens, width // g, g), x.dtype),
                    jax.ShapeDtypeStruct(arena2.shape, arena2.dtype)),
         grid=(programs,), aliases={len(args) - 1: 1}, interpret=interpret, num_warps=plan.num_warps,
@@ -300,11 +344,13 @@ def _update_pallas(plan: ConvPlan, arena, x, weight, meta: ConvMeta, interpret: 
 
 def conv_update(arena: Array, layout: ArenaLayout, f: Field, channels: tuple[int, int], x: Float[Array, "t c"],
                 weight: Float[Array, "k c"], meta: ConvMeta, *, interpret: bool = False, block: int | None = None,
-                num_warps: int | None = None) -> tuple[Float[Array, "t c"], Array]:
+                num_warps: int | None = None, tile: int | None = None) -> tuple[Float[Array, "t c"], Array]:
     """Fused conv + active / checkpoint window writes for one stream (extend and decode).
 
     Same contract and result as `inkling_jax.cache.conv_state.conv_update` (see the module
-    docstring for the sink and padding-tail deviations and the preconditions)."""
+    docstring for the sink and padding-tail deviations and the preconditions). `block`,
+    `num_warps` and `tile` (tokens per extend program, see `token_tile`) override the
+    defaults."""
     num_tokens = x.shape[0]
     num_rows, q = meta.row_tokens.shape
     ok_shapes = x.ndim == 2 and weight.ndim == 2 and weight.shape[1] == x.shape[1] and q > 0
@@ -313,7 +359,8 @@ def conv_update(arena: Array, layout: ArenaLayout, f: Field, channels: tuple[int
     ref_fn = lambda a, xx, w, m: ref.conv_update(a, layout, f, channels, xx, w, m)
     if plan is None:
         return ref_fn(arena, x, weight, meta)
-    kernel_fn = lambda a, xx, w, m: _update_pallas(plan, a, xx, w, m, interpret)
+    tokens_per_program = token_tile(num_tokens, num_rows, plan.nblocks, tile)
+    kernel_fn = lambda a, xx, w, m: _update_pallas(plan, a, xx, w, m, interpret, tokens_per_program)
     return with_ref_vjp(kernel_fn, ref_fn)(arena, x, weight, meta)
 
 

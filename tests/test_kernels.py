@@ -67,10 +67,13 @@ def random_arena(rng, lay: ArenaLayout, fields: list[Field], dtype) -> jax.Array
     return jnp.asarray(a, dtype)
 
 
-def random_meta(rng, num_rows: int, num_tokens: int, km1: int, decode: bool, q: int = 0) -> ConvMeta:
+def random_meta(rng, num_rows: int, num_tokens: int, km1: int, decode: bool, q: int = 0,
+                shuffle: bool = False) -> ConvMeta:
     """A step's conv metadata as steps.py builds it, with physical slots drawn at random.
 
-    q: the step's Q (max new tokens of a row; decode: 1); extend default: num_tokens."""
+    q: the step's Q (max new tokens of a row; decode: 1); extend default: num_tokens.
+    shuffle: the tokens' x rows in a random order instead of packed row by row (the
+    contract allows any row_tokens; the kernel's extend path guesses the packed order)."""
     slots = rng.permutation(np.arange(1, NUM_SLOTS))
     num_real = rng.randint(1, num_rows) if num_rows > 1 else 1  # leave padded rows when there is room
     real = np.sort(rng.choice(num_rows, num_real, replace=False))
@@ -121,6 +124,10 @@ def random_meta(rng, num_rows: int, num_tokens: int, km1: int, decode: bool, q: 
         if spare and rng.rand() < 0.6:
             track_dest[b] = spare.pop()
             track_len[b] = rng.choice([0, min(1, num_new[b]), min(km1 - 1, num_new[b]), num_new[b], q])
+    if shuffle:  # x row n holds the token packed at old_of[n]
+        old_of = rng.permutation(num_tokens)
+        new_of = np.argsort(old_of)
+        token_row, token_offset, row_tokens = token_row[old_of], token_offset[old_of], new_of[row_tokens]
     i32 = lambda a: jnp.asarray(a, jnp.int32)
     return ConvMeta(token_row=i32(token_row), token_offset=i32(token_offset), row_tokens=i32(row_tokens),
                     has_state=jnp.asarray(has_state), commit_len=i32(commit_len), active=i32(active),
@@ -175,6 +182,7 @@ UPDATE_CASES = {
     "k2-f32arena-bf16x-extend": (2, jnp.float32, jnp.bfloat16, 2, ("mlp",), False, 3, 12, 5),
     "k3-bf16arena-f32x-decode": (3, jnp.bfloat16, jnp.float32, 1, ("v",), True, 5, 5, 1),
     "k4-f32-extend-T<B": (4, jnp.float32, jnp.float32, 1, ("k",), False, 6, 5, 3),
+    "k4-bf16-extend-shuffled": (4, jnp.bfloat16, jnp.bfloat16, 2, ("attn", "mlp"), False, 3, 16, 9),
 }
 
 
@@ -202,7 +210,7 @@ def test_conv_update_matches_reference(case):
         arena = random_arena(rng, lay, conv_fields(lay), adt)
         xs = [jnp.asarray(rng.standard_normal((num_tokens, c1 - c0)), xdt) for c0, c1 in chans]
         ws = [jnp.asarray(0.5 * rng.standard_normal((k, c1 - c0)), xdt) for c0, c1 in chans]
-        meta = random_meta(rng, num_rows, num_tokens, k - 1, decode, q)
+        meta = random_meta(rng, num_rows, num_tokens, k - 1, decode, q, shuffle=case.endswith("shuffled"))
         ys, got = kern(arena, xs, ws, meta)
         ys_ref, want = want_fn(arena, xs, ws, meta)
         for s, y, y_ref in zip(streams, ys, ys_ref):
@@ -263,6 +271,45 @@ def test_conv_update_block_override():
     for bad in (0, 3 * blocks[0], 2 * width):
         with pytest.raises(ValueError, match="block must be a power of two"):
             pconv.conv_update(arena, lay, f, ch, x, w, meta, interpret=INTERPRET, block=bad)
+
+
+@pytest.mark.parametrize("shuffle", [False, True], ids=["packed", "shuffled"])
+def test_conv_update_token_tiles(shuffle):
+    """Extend with several tokens per program (the tile reads its x rows by guess of the
+    packed order): tiles that divide T, that leave a partial last tile, and that exceed a
+    row's token count give the reference's result, with tokens packed in order and out of
+    order (every guess may miss); a tile below 1 is refused."""
+    lay = tiny_layout(4)
+    f = lay.target[1].conv
+    chans = [stream_channels(f, lay.cfg, s) for s in ("k", "attn")]
+    rng = np.random.RandomState(12 + shuffle)
+    arena = random_arena(rng, lay, conv_fields(lay), jnp.bfloat16)
+    num_rows, num_tokens = 4, 22
+    assert pconv.token_tile(num_tokens, num_rows, 1) == 1  # default at this size: one token each
+    for trial, tile in enumerate((2, 5, 8)):
+        meta = random_meta(rng, num_rows, num_tokens, 3, decode=False, q=9, shuffle=shuffle)
+        for c0, c1 in chans:
+            x = jnp.asarray(rng.standard_normal((num_tokens, c1 - c0)), jnp.bfloat16)
+            w = jnp.asarray(0.5 * rng.standard_normal((4, c1 - c0)), jnp.bfloat16)
+            y_ref, want = jax.jit(lambda a: ref_conv.conv_update(a, lay, f, (c0, c1), x, w, meta))(arena)
+            y, got = jax.jit(lambda a: pconv.conv_update(a, lay, f, (c0, c1), x, w, meta, interpret=INTERPRET,
+                                                         tile=tile))(arena)
+            assert_y(y, y_ref, f"tile {tile} y ({c0}, {c1})")
+            assert_arena(got, want, arena, lay, f"tile {tile} ({c0}, {c1})")
+    for bad in (0, -2):
+        with pytest.raises(ValueError, match="token_tile must be a positive int"):
+            pconv.conv_update(arena, lay, f, chans[0], x, w, meta, interpret=INTERPRET, tile=bad)
+
+
+def test_token_tile_rule():
+    """Tiles grow with T so that about TARGET_PROGRAMS programs remain, up to MAX_TILE; never
+    on decode (T <= B)."""
+    assert pconv.token_tile(256, 256, 2) == 1
+    assert pconv.token_tile(64, 1, 1) == 1
+    assert pconv.token_tile(2048, 32, 1) == 4
+    assert pconv.token_tile(2048, 32, 2) == 8
+    assert pconv.token_tile(65536, 8, 4) == pconv.MAX_TILE
+    assert pconv.token_tile(4, 4, 1, tile=3) == 1  # decode: one token per program whatever the override
 
 
 # ------------------------------------------------------------------------- conv_write
