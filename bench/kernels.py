@@ -17,7 +17,7 @@ kernel of that size can reach). With --smoke (CPU, no trace) times are wall time
 
 --sweep grid times the conv_update kernel over channel blocks and warps on the cases that
 matter (--sweep default: the default plan only), and on the extend cases over tokens per
-program (tile 1-16); --compare-module M also times M.conv_update
+program (tile 1-8); --compare-module M also times M.conv_update
 (e.g. an earlier pallas_kernels/conv_state.py copied beside it). --moe-sweep times the MoE
 grouped mat-vec kernel's tiles.
 
@@ -510,7 +510,7 @@ def sweep(s: Setup, rng, compare_module: str = "", grid: bool = True) -> list[tu
     with compare_module (a module with conv_update's signature, e.g. an earlier version of
     pallas_kernels/conv_state.py copied beside it) also that module's default plan."""
     cases = [("attn", 256, 1), ("attn", 32, 1), ("k (full", 256, 1), ("k (full", 1, EXTEND_L),
-             ("attn", 32, EXTEND_L)]
+             ("attn", 32, EXTEND_L), ("k (full", 32, EXTEND_L), ("k (sliding", 32, EXTEND_L)]
     out = []
     for prefix, b, q in cases:
         name, (f, ch) = next((nm, v) for nm, v in s.streams.items() if nm.startswith(prefix))
@@ -539,8 +539,8 @@ def sweep(s: Setup, rng, compare_module: str = "", grid: bool = True) -> list[tu
                 print(f"sweep {row.shape}{mark} block={block} warps={warps}: {row.check} "
                       f"{row.t_pallas.seconds * 1e6 if row.t_pallas else float('nan'):.2f} us", flush=True)
         if q > 1:  # extend: tokens per program, at the default block and warps
-            default_tile = pk.conv_state.token_tile(b * q, b, default.nblocks)
-            for tile in (1, 2, 4, 8, 16):
+            default_tile = pk.conv_state.token_tile(b * q, b, default.nblocks, default.num_warps)
+            for tile in (1, 2, 4, 8):
                 try:
                     row = conv_update_case(s, None, name, f, ch, b, q, rng, trials=1, time_ref=False,
                                            block=default.block, num_warps=default.num_warps, tile=tile)

@@ -285,7 +285,7 @@ def test_conv_update_token_tiles(shuffle):
     rng = np.random.RandomState(12 + shuffle)
     arena = random_arena(rng, lay, conv_fields(lay), jnp.bfloat16)
     num_rows, num_tokens = 4, 22
-    assert pconv.token_tile(num_tokens, num_rows, 1) == 1  # default at this size: one token each
+    assert pconv.token_tile(num_tokens, num_rows, 1, 1) == 1  # default at this size: one token each
     for trial, tile in enumerate((2, 5, 8)):
         meta = random_meta(rng, num_rows, num_tokens, 3, decode=False, q=9, shuffle=shuffle)
         for c0, c1 in chans:
@@ -302,14 +302,15 @@ def test_conv_update_token_tiles(shuffle):
 
 
 def test_token_tile_rule():
-    """Tiles grow with T so that about TARGET_PROGRAMS programs remain, up to MAX_TILE; never
-    on decode (T <= B)."""
-    assert pconv.token_tile(256, 256, 2) == 1
-    assert pconv.token_tile(64, 1, 1) == 1
-    assert pconv.token_tile(2048, 32, 1) == 4
-    assert pconv.token_tile(2048, 32, 2) == 8
-    assert pconv.token_tile(65536, 8, 4) == pconv.MAX_TILE
-    assert pconv.token_tile(4, 4, 1, tile=3) == 1  # decode: one token per program whatever the override
+    """Tiles grow with T while the grid keeps TILE_WARPS warps, up to MAX_TILE; never on
+    decode (T <= B)."""
+    assert pconv.token_tile(256, 256, 2, 4) == 1
+    assert pconv.token_tile(64, 1, 1, 1) == 1
+    assert pconv.token_tile(2048, 32, 1, 1) == 1  # 2048 one-warp programs: no tile
+    assert pconv.token_tile(2048, 32, 1, 2) == 2
+    assert pconv.token_tile(2048, 32, 2, 4) == 8
+    assert pconv.token_tile(65536, 8, 4, 4) == pconv.MAX_TILE
+    assert pconv.token_tile(4, 4, 1, 1, tile=3) == 1  # decode: one token per program whatever the override
 
 
 # ------------------------------------------------------------------------- conv_write
