@@ -283,7 +283,7 @@ def _main(args: argparse.Namespace) -> int:
     print(f"engine: {econf.pool} pool, prefix cache {'on' if econf.prefix_cache else 'off'}, "
           f"{econf.ping_pong} ping-pong, max_running {econf.max_running}, page_size {econf.page_size}, "
           f"track_interval {econf.track_interval}, context {econf.max_context}, "
-          f"{'pallas' if engine.use_pallas else 'jnp'} kernels")
+          f"{'pallas' if engine.runner.use_pallas else 'jnp'} kernels")
     warmup_s = 0.0
     if not args.no_warmup:
         t1 = time.perf_counter()

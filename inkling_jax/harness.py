@@ -22,8 +22,8 @@ print / plot the report:
 The step under test is any ``step_fn(params, state, batch) -> (logits [B, V], state)`` with the
 signature of `steps.step_logits` once cfg / layout / shape are bound; the default is exactly
 that (`make_step_fn`). `make_step_fn(..., context_cls=...)` builds the same step with another
-`StepContext` class (a subclass with a planted bug, in the tests): `steps.step_logits` has no
-hook for the context class, so `context_step_logits` mirrors its body.
+`StepContext` class (a subclass with a planted bug, in the tests), through `step_logits`'s own
+`context_cls` hook.
 
 Differentiating w.r.t. the token *embeddings* of an unmodified step: the embedding table is
 extended by T rows holding the packed tokens' embedding vectors (``ext_rows [T, H]``) and the
@@ -55,14 +55,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import steps
-from .cache import conv_state
-from .cache.conv_state import ConvMeta
+from pallas_kernels.conv_state import ref as conv_ref
+from pallas_kernels.conv_state.ref import PackedRows
+from pallas_kernels.slot_ops.ref import read_field, write_field
+
 from .cache.layout import ArenaLayout
-from .cache.state import ServingState, init_state, read_field, slot_rows, write_field
+from .cache.state import ServingState, init_state
 from .config import InklingConfig
 from .model import forward
-from .model import layers as L
-from .steps import StepBatch, StepContext, StepShape
+from .steps import RowPlan, StepBatch, StepContext, StepShape, pack_batch
 
 Params = dict[str, Any]
 StepFn = Callable[[Params, ServingState, StepBatch], tuple[jax.Array, ServingState]]
@@ -70,7 +71,7 @@ StepFn = Callable[[Params, ServingState, StepBatch], tuple[jax.Array, ServingSta
 __all__ = [
     "Geometry", "Scenario", "Leak", "IsolationReport", "ConvReport", "CachedPathReport",
     "check_isolation", "check_conv_receptive_field", "check_cached_matches_reference",
-    "make_step_fn", "context_step_logits", "default_geometry", "isolation_scenario", "step_vjp", "plot_isolation",
+    "make_step_fn", "default_geometry", "isolation_scenario", "step_vjp", "plot_isolation",
 ]
 
 
@@ -84,36 +85,20 @@ def _jit(fn: Callable) -> Callable:
 # ------------------------------------------------------------------ step functions
 
 
-def context_step_logits(params: Params, state: ServingState, batch: StepBatch, *, cfg: InklingConfig,
-                        layout: ArenaLayout, shape: StepShape, context_cls: type = StepContext,
-                        use_pallas: bool = False, interpret: bool = False) -> tuple[jax.Array, ServingState]:
-    """`steps.step_logits` with the layer context class as a parameter (the same body, built
-    from the same helpers, with `context_cls` in place of `StepContext`)."""
-    ops, phys_slot, phys_track, phys_pages, arena = steps._prepare(params, state, batch, layout, use_pallas, interpret)
-    meta = steps._target_meta(batch, shape.query, phys_slot, phys_track, batch.num_new, batch.track_len)
-    ctx = context_cls(cfg, layout, ops, arena, meta, phys_pages)
-    h = steps._run_layers(params, cfg, layout, ctx, L.embed(params, cfg, batch.tokens, params["unembed"].dtype))
-    last = jnp.clip(batch.query_start + batch.num_new - 1, 0, h.shape[0] - 1)
-    return L.lm_head(params, cfg, h[last]), state.replace(arena=ctx.arena)
-
-
 _STEP_FNS: dict[tuple, StepFn] = {}
 
 
 def make_step_fn(cfg: InklingConfig, layout: ArenaLayout, shape: StepShape, context_cls: type | None = None,
                  use_pallas: bool = False, interpret: bool = False) -> StepFn:
-    """step_fn(params, state, batch) -> (logits, state). context_cls None: `steps.step_logits`
-    itself; otherwise `context_step_logits` with that context class. The same object is
-    returned for the same arguments, so the harness's compiled programs are reused."""
+    """step_fn(params, state, batch) -> (logits, state): `steps.step_logits` with the layer
+    context class `context_cls` (default `StepContext`; a subclass with a planted bug in the
+    tests). The same object is returned for the same arguments, so the harness's compiled
+    programs are reused."""
     key = (cfg, layout, shape, context_cls, use_pallas, interpret)
     fn = _STEP_FNS.get(key)
     if fn is None:
-        if context_cls is None:
-            fn = partial(steps.step_logits, cfg=cfg, layout=layout, shape=shape, use_pallas=use_pallas,
-                         interpret=interpret)
-        else:
-            fn = partial(context_step_logits, cfg=cfg, layout=layout, shape=shape, context_cls=context_cls,
-                         use_pallas=use_pallas, interpret=interpret)
+        fn = partial(steps.step_logits, cfg=cfg, layout=layout, shape=shape, use_pallas=use_pallas,
+                     interpret=interpret, context_cls=context_cls or StepContext)
         _STEP_FNS[key] = fn
     return fn
 
@@ -246,10 +231,10 @@ def isolation_scenario(cfg: InklingConfig, geometry: Geometry | None = None, see
     token_offset = np.concatenate([[0, 1, 2, 0, 0, 1, 2, 3, 4], np.arange(t - 9)]).astype(np.int32)
     batch = dc_replace(
         StepBatch.empty(geometry.shape), tokens=rng.randint(3, cfg.unpadded_vocab_size, t).astype(np.int32),
-        token_row=token_row, token_offset=token_offset, slot=per_row([2, 5, 7, 0]),
+        token_row=token_row, token_offset=token_offset, virtual_slot=per_row([2, 5, 7, 0]),
         has_state=per_row([True, True, False, False], False, bool), seq_start=per_row([6, 13, 0, 0]),
-        num_new=per_row([3, 1, 5, 0]), query_start=per_row([0, 3, 4, 9], 9), pages=pages,
-        track_slot=per_row([3, 0, 0, 0]), track_len=per_row([2, 0, 0, 0]))
+        num_new=per_row([3, 1, 5, 0]), query_start=per_row([0, 3, 4, 9], 9), virtual_pages=pages,
+        virtual_track_slot=per_row([3, 0, 0, 0]), track_len=per_row([2, 0, 0, 0]))
     description = "\n".join([
         f"extend step, B {b} rows, T {t} packed tokens, Q {geometry.shape.query}, P {p} pages per row:",
         "  row 0: continuing request, 6 cached tokens, 3 new, checkpoint after 2 of them",
@@ -315,10 +300,11 @@ def _ownership(state: ServingState, batch: StepBatch, layout: ArenaLayout):
         return int(slot_v2p[v]) if v > 0 else 0
 
     def units_of_slot(p):
-        return set(range(p * su, (p + 1) * su))
+        return set(range(layout.slot_row(p), layout.slot_row(p) + su))
 
     def units_of_page(q):
-        return set(range(num_units - (q + 1) * pu, num_units - q * pu))
+        first = layout.page_row(q, num_units, 0)
+        return set(range(first, first + pu))
 
     unit_labels = ["unused"] * num_units
     for p in range(int(slot_v2p.max()) + 1):
@@ -329,8 +315,8 @@ def _ownership(state: ServingState, batch: StepBatch, layout: ArenaLayout):
             if 0 <= u < num_units:
                 unit_labels[u] = "the sink page" if q == 0 else "a free page"
 
-    slot, cow, track = np.asarray(batch.slot), np.asarray(batch.cow_src), np.asarray(batch.track_slot)
-    track_len, pages = np.asarray(batch.track_len), np.asarray(batch.pages)
+    slot, cow = np.asarray(batch.virtual_slot), np.asarray(batch.virtual_cow_slot)
+    track, track_len, pages = np.asarray(batch.virtual_track_slot), np.asarray(batch.track_len), np.asarray(batch.virtual_pages)
     own_units = np.zeros((b, num_units), bool)
     slot_u: dict[int, set[int]] = {}
     page_u: dict[int, set[int]] = {}
@@ -513,13 +499,6 @@ class ConvReport:
         return self.details
 
 
-def _channels(cfg: InklingConfig, c: int, stream: str) -> tuple[int, int]:
-    h = cfg.hidden_size
-    kv = (c - 2 * h) // 2
-    start = {"k": 0, "v": kv, "attn": 2 * kv, "mlp": 2 * kv + h}[stream]
-    return start, start + (kv if stream in ("k", "v") else h)
-
-
 def check_conv_receptive_field(
     cfg: InklingConfig, rows: Sequence[tuple[bool, int, int]] = ((True, 1, 1), (True, 2, 0), (True, 6, 4),
                                                                   (False, 2, 1), (False, 5, 3), (True, 0, 0)),
@@ -538,13 +517,14 @@ def check_conv_receptive_field(
     input: each old-window row of each slot, each packed token including padding tokens) and
     with jax.vjp (one random cotangent per output window); ok iff both patterns are exactly the
     expected one (0.0 outside, nonzero inside) and the arena gradient is 0.0 everywhere else.
-    `conv_update` defaults to the jnp reference (`cache.conv_state.conv_update`); a
-    custom_vjp kernel (Pallas) cannot be pushed forward: pass modes=("vjp",)."""
-    conv_update = conv_update or conv_state.conv_update
+    `conv_update` defaults to the jnp reference (`pallas_kernels.conv_state.ref.conv_update`);
+    a custom_vjp kernel (Pallas) cannot be pushed forward: pass modes=("vjp",)."""
+    conv_update = conv_update or conv_ref.conv_update
     layout = ArenaLayout.build(cfg, page_size)
-    f = layout.target[layer].conv
+    fields = layout.target[layer]
+    f = fields.conv
     km1 = f.shape[0]
-    c0, c1 = _channels(cfg, f.shape[1], stream)
+    c0, c1 = fields.channels(stream)
     width = c1 - c0
     b = len(rows)
     has_state = np.array([r[0] for r in rows], bool)
@@ -572,18 +552,18 @@ def check_conv_receptive_field(
     token_offset = np.concatenate([np.arange(n) for n in num_new]
                                   + [num_new[-1] + np.arange(padding_tokens)]).astype(np.int32)
     row_tokens = np.clip(query_start[:, None] + np.arange(q)[None, :], 0, t - 1).astype(np.int32)
-    meta = ConvMeta(token_row=jnp.asarray(token_row, jnp.int32), token_offset=jnp.asarray(token_offset),
-                    row_tokens=jnp.asarray(row_tokens), has_state=jnp.asarray(has_state),
-                    commit_len=jnp.asarray(num_new), active=jnp.asarray(active), track_dest=jnp.asarray(track_dest),
-                    track_len=jnp.asarray(track_len))
-    act_rows = slot_rows(layout, jnp.asarray(active), f)
-    trk_rows = slot_rows(layout, jnp.asarray(track_dest), f)
+    packed = PackedRows(token_row=jnp.asarray(token_row, jnp.int32), token_offset=jnp.asarray(token_offset),
+                        row_tokens=jnp.asarray(row_tokens), has_state=jnp.asarray(has_state),
+                        commit_len=jnp.asarray(num_new), track_len=jnp.asarray(track_len))
+    act_rows = jnp.asarray(layout.slot_row(active, f), jnp.int32)  # first arena row of each row's field
+    trk_rows = jnp.asarray(layout.slot_row(track_dest, f), jnp.int32)
     tracked = np.nonzero(track_len > 0)[0]
 
     def windows(x, arena):
-        _, new = conv_update(arena, layout, f, (c0, c1), x, weight, meta)
-        act = read_field(new, layout, act_rows, f)[..., c0:c1]
-        trk = read_field(new, layout, trk_rows, f)[..., c0:c1][tracked]
+        _, new = conv_update(arena, x, weight, packed, act_rows, trk_rows, window_shape=f.shape, channels=(c0, c1),
+                             sink_rows=layout.sink_rows)
+        act = read_field(new, act_rows, f.shape)[..., c0:c1]
+        trk = read_field(new, trk_rows, f.shape)[..., c0:c1][tracked]
         return jnp.concatenate([act, trk], axis=0)  # [B + tracked, K-1, width]
 
     n_out = b + len(tracked)
@@ -622,7 +602,7 @@ def check_conv_receptive_field(
     # cotangent per output window)
     def owned(i, j):  # arena mask of old window row j of row i's slot, the stream's channels
         full = jnp.zeros((b,) + f.shape, jnp.float32).at[i, j, c0:c1].set(1.0)
-        return write_field(jnp.zeros_like(arena), layout, act_rows, f, full)
+        return write_field(jnp.zeros_like(arena), act_rows, full)
 
     def measure(x, arena):
         res = {}
@@ -642,7 +622,7 @@ def check_conv_receptive_field(
 
             def pull_one(o):
                 xb, ab = pull(jnp.where((jnp.arange(n_out) == o)[:, None, None], cot, 0.0))
-                old = read_field(ab, layout, act_rows, f)[..., c0:c1]  # [B, K-1, width]
+                old = read_field(ab, act_rows, f.shape)[..., c0:c1]  # [B, K-1, width]
                 return (jnp.concatenate([jnp.max(jnp.abs(old), -1).reshape(-1), jnp.max(jnp.abs(xb), -1)]),
                         jnp.max(jnp.abs(jnp.where(window_mask, 0.0, ab))))
 
@@ -779,33 +759,23 @@ def check_cached_matches_reference(
         raise ValueError("the schedule must feed every sequence exactly once")
     step_fn = step_fn or make_step_fn(cfg, layout, shape)
     vjp = step_vjp(step_fn)
-    b, t = shape.batch, shape.tokens
+    b = shape.batch
 
     # the batches, and the loss positions
     batches, rows, positions, targets = [], [], [], []
     done = [0] * n
     for k, step in enumerate(schedule):
-        tokens = np.zeros(t, np.int32)
-        batch = StepBatch.empty(shape)
-        token_row, token_offset = np.array(batch.token_row), np.array(batch.token_offset)
-        slot, has_state, seq_start = np.zeros(b, np.int32), np.zeros(b, bool), np.zeros(b, np.int32)
-        num_new, query_start, pages = np.zeros(b, np.int32), np.zeros(b, np.int32), np.zeros((b, p_cols), np.int32)
-        cursor = 0
-        for i, c in enumerate(step):
+        plans = []
+        for i, c in enumerate(step):  # sequence i: row i, virtual slot i + 1, its own pages
             s = done[i]
-            tokens[cursor:cursor + c] = sequences[i][s:s + c]
-            token_row[cursor:cursor + c], token_offset[cursor:cursor + c] = i, np.arange(c)
-            slot[i], has_state[i], seq_start[i], num_new[i], query_start[i] = i + 1, s > 0, s, c, cursor
-            pages[i] = i * p_cols + 1 + np.arange(p_cols)
-            cursor += c
+            plans.append(RowPlan(tokens=list(sequences[i][s:s + c]), seq_start=s, virtual_slot=i + 1,
+                                 virtual_pages=list(i * p_cols + 1 + np.arange(p_cols))))
             if c:
                 rows.append(i)
                 positions.append(s + c - 1)
                 targets.append(sequences[i][s + c] if s + c < lens[i] else sequences[i][s + c - 1])
                 done[i] += c
-        batches.append((k, dc_replace(batch, tokens=tokens, token_row=token_row, token_offset=token_offset,
-                                      slot=slot, has_state=has_state, seq_start=seq_start, num_new=num_new,
-                                      query_start=query_start, pages=pages)))
+        batches.append((k, pack_batch(shape, plans)))
 
     # forward through the chain
     state = geometry.state(seed=seed, dtype=params["unembed"].dtype)

@@ -1,18 +1,23 @@
-"""Pallas GPU kernels (Triton lowering), each beside its jnp reference in `inkling_jax.cache`.
+"""Pallas GPU kernels (Triton lowering), each beside its jnp reference; independent of the
+library that calls them (they take arena rows, index arrays and static sizes, nothing else).
+
+    conv_state/  ref.py, pallas.py   fused short-conv update and window writes
+    slot_ops/    ref.py, pallas.py   field reads / writes; copy and clear of unit runs
+    moe/         ref.py, pallas.py   grouped mat-vec for the routed experts of a few tokens
 
     conv_ops(use_pallas, interpret=False) -> ConvOps
 
-picks the implementation of the five conv-state / slot operations once; every function of
-the returned `ConvOps` has the reference's signature (`interpret` is bound):
+picks the implementation of the operations once; every function of the returned `ConvOps`
+has the reference's signature (`interpret` is bound):
 
-    conv_update(arena, layout, f, channels, x, weight, meta) -> (y, arena)
-    conv_write(arena, layout, f, channels, x, window, meta) -> arena
-    copy_slot_units(arena, layout, src, dst, first_unit=0, num_units=None) -> arena
-    clear_slot_units(arena, layout, dst, first_unit=0, num_units=None) -> arena
-    move_units(arena, src_rows, dst_rows) -> arena
-
-plus `moe_experts` (`pallas_kernels.moe`: the routed experts of a few tokens as a grouped
-mat-vec kernel; None for the references, whose MoE picks its own jnp implementation).
+    conv_update(arena, x, weight, rows, active_row, track_row, *, window_shape, channels,
+                sink_rows) -> (y, arena)
+    conv_write(arena, x, window, rows, active_row, track_row, *, window_shape, channels,
+               sink_rows) -> arena
+    copy_units(arena, src_rows, dst_rows, *, num_units, sink_rows) -> arena
+    clear_units(arena, dst_rows, *, num_units, sink_rows) -> arena
+    moe_experts(x, idx, weight, w13, w2) -> y, or None for the references (the model's MoE
+        then picks its own jnp implementation)
 
 `use_pallas`: False -> the jnp references; True -> the Pallas kernels; "auto" -> Pallas when
 `jax.default_backend() == "gpu"`, the references otherwise. `interpret=True` runs the Pallas
@@ -27,28 +32,24 @@ from typing import Callable
 
 import jax
 
-from inkling_jax.cache import conv_state as _ref_conv
-from inkling_jax.cache import state as _ref_state
-
 from . import conv_state, moe, slot_ops
 
 
 @dataclass(frozen=True)
 class ConvOps:
-    """The conv-state and slot operations of one implementation (reference signatures)."""
+    """The conv-state and unit operations of one implementation (reference signatures)."""
 
     conv_update: Callable
     conv_write: Callable
-    copy_slot_units: Callable
-    clear_slot_units: Callable
-    move_units: Callable
+    copy_units: Callable
+    clear_units: Callable
     moe_experts: Callable | None  # few-token routed experts (layers.moe_mlp's few_token_experts)
     pallas: bool  # True: the Pallas kernels
     interpret: bool
 
 
-REFERENCE_OPS = ConvOps(_ref_conv.conv_update, _ref_conv.conv_write, _ref_state.copy_slot_units,
-                        _ref_state.clear_slot_units, _ref_state.move_units, None, pallas=False, interpret=False)
+REFERENCE_OPS = ConvOps(conv_state.ref.conv_update, conv_state.ref.conv_write, slot_ops.ref.copy_units,
+                        slot_ops.ref.clear_units, None, pallas=False, interpret=False)
 
 
 def conv_ops(use_pallas: bool | str, interpret: bool = False) -> ConvOps:
@@ -63,8 +64,9 @@ def conv_ops(use_pallas: bool | str, interpret: bool = False) -> ConvOps:
         raise ValueError(f"Pallas kernels need a GPU (backend is {jax.default_backend()!r}); pass interpret=True "
                          "to run them in interpret mode, or use_pallas='auto'")
     bind = partial(partial, interpret=interpret)
-    return ConvOps(bind(conv_state.conv_update), bind(conv_state.conv_write), bind(slot_ops.copy_slot_units),
-                   bind(slot_ops.clear_slot_units), bind(slot_ops.move_units), bind(moe.moe_experts), pallas=True, interpret=interpret)
+    return ConvOps(bind(conv_state.pallas.conv_update), bind(conv_state.pallas.conv_write),
+                   bind(slot_ops.pallas.copy_units), bind(slot_ops.pallas.clear_units), bind(moe.pallas.moe_experts),
+                   pallas=True, interpret=interpret)
 
 
 __all__ = ["ConvOps", "REFERENCE_OPS", "conv_ops", "conv_state", "moe", "slot_ops"]

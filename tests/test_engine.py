@@ -3,17 +3,14 @@ forward (logprobs), and itself (chunking, compaction replay, recompiles, bad inp
 
 from __future__ import annotations
 
-import dataclasses
-
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import inkling_jax as ik
 from inkling_jax.cache.layout import ArenaLayout
-from inkling_jax.cache.state import init_state, read_field, slot_rows
-from inkling_jax.steps import StepBatch, StepShape, check_batch, compile_step
+from inkling_jax.cache.state import init_state, read_slot_field
+from inkling_jax.steps import RowPlan, StepShape, check_batch, compile_step, pack_batch
 from conftest import ENGINE_KW, TRUNK, hf_config, make_engine, perturb_, reference_logprobs
 
 GREEDY = ik.SamplingParams(max_new_tokens=24, stop_at_eos=False)
@@ -70,7 +67,7 @@ def test_no_recompiles_after_warmup(trunk_params):
     compile nothing new."""
     engine = make_engine(trunk_params, max_context=64, warmup=True)
     after_warmup = engine.stats()["compiles"]
-    assert after_warmup == len(engine._compiled) > 0
+    assert after_warmup == len(engine.runner.compiled) > 0
     rng = np.random.RandomState(3)
     steps = 0
     while steps < 300:
@@ -102,17 +99,13 @@ def test_compiled_step_replayed_after_slot_moves(trunk_params):
         toks, seen = [], []
         for i, tok in enumerate(prompt):
             if i == 2 and slot_phys[1] != slot_phys[0]:  # compaction between steps: move the units, update the table
-                src = np.arange(lay.slot_units) + slot_phys[0] * lay.slot_units
-                dst = np.arange(lay.slot_units) + slot_phys[1] * lay.slot_units
+                src = np.arange(lay.slot_units) + lay.slot_row(slot_phys[0])
+                dst = np.arange(lay.slot_units) + lay.slot_row(slot_phys[1])
                 state = state.replace(arena=state.arena.at[dst].set(state.arena[src]).at[src].set(0.0))
                 v2p[3] = slot_phys[1]
                 state = state.replace(slot_v2p=jnp.asarray(v2p))
-            batch = dataclasses.replace(
-                StepBatch.empty(shape), tokens=np.array([tok, 0], np.int32), token_row=np.array([0, 1], np.int32),
-                token_offset=np.array([0, 0], np.int32), slot=np.array([3, 0], np.int32),
-                has_state=np.array([i > 0, False]), seq_start=np.array([i, 0], np.int32),
-                num_new=np.array([1, 0], np.int32), query_start=np.array([0, 1], np.int32),
-                pages=np.tile(np.arange(1, 9, dtype=np.int32), (2, 1)) * np.array([[1], [0]], np.int32))
+            batch = pack_batch(shape, [RowPlan(tokens=[tok], seq_start=i, virtual_slot=3,
+                                               virtual_pages=list(range(1, 9)))])
             out, state = step(trunk_params, state, batch)
             toks.append(int(out.tokens[0]))
             seen.append(np.asarray(out.logprobs)[0])
@@ -123,10 +116,10 @@ def test_compiled_step_replayed_after_slot_moves(trunk_params):
     assert toks_a == toks_b
     np.testing.assert_array_equal(lp_a, lp_b)
     f = lay.target[0].conv
-    win_a = read_field(state_a.arena, lay, slot_rows(lay, jnp.array([2]), f), f)
-    win_b = read_field(state_b.arena, lay, slot_rows(lay, jnp.array([7]), f), f)
+    win_a = read_slot_field(state_a.arena, lay, jnp.array([2]), f)
+    win_b = read_slot_field(state_b.arena, lay, jnp.array([7]), f)
     np.testing.assert_array_equal(win_a, win_b)  # the replay wrote the moved slot
-    old = read_field(state_b.arena, lay, slot_rows(lay, jnp.array([2]), f), f)
+    old = read_slot_field(state_b.arena, lay, jnp.array([2]), f)
     assert not np.any(np.asarray(old))  # and nothing went to the old physical rows
 
 
@@ -192,9 +185,9 @@ def test_oversize_batch_is_a_clear_error(trunk_params):
     """S6: a batch with more rows than the compiled bucket is rejected before the step runs."""
     engine = make_engine(trunk_params)
     shape = StepShape("decode", 2, 2, 1, 16)
-    batch = engine._dummy_batch(StepShape("decode", 4, 4, 1, 16))
+    batch = engine.runner.empty_batch(StepShape("decode", 4, 4, 1, 16))
     with pytest.raises(ValueError, match=r"StepBatch.tokens has shape \(4,\); the compiled decode bucket takes \(2,\)"):
-        check_batch(batch, shape)
+        check_batch(batch, shape, max_stop_ids=engine.config.max_stop_ids)
 
 
 def test_sampling(trunk_params):

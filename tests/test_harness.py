@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from inkling_jax import harness as H
-from inkling_jax.cache import conv_state
 from inkling_jax.steps import StepContext
+from pallas_kernels.conv_state import ref as conv_ref
 
 from conftest import TRUNK
 
@@ -83,10 +83,10 @@ def test_conv_receptive_field():
 
 
 def test_conv_receptive_field_catches_a_stale_window():
-    def stale_update(arena, layout, f, channels, x, weight, meta):
+    def stale_update(arena, x, weight, rows, active_row, track_row, **kw):
         """Planted bug: the window written back keeps one input too many from before."""
-        return conv_state.conv_update(arena, layout, f, channels, x, weight,
-                                      replace(meta, commit_len=jnp.maximum(meta.commit_len - 1, 0)))
+        return conv_ref.conv_update(arena, x, weight, replace(rows, commit_len=jnp.maximum(rows.commit_len - 1, 0)),
+                                    active_row, track_row, **kw)
 
     rep = H.check_conv_receptive_field(TRUNK, conv_update=stale_update, modes=("vjp",))
     assert not rep.ok and rep.max_outside > 0.0

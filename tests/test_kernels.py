@@ -11,6 +11,7 @@ alone" and everything else bit for bit.
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -20,13 +21,13 @@ from conftest import ENGINE_KW, TRUNK, has_cuda_device
 
 import inkling_jax as ik
 import pallas_kernels as pk
-from inkling_jax.cache import conv_state as ref_conv
-from inkling_jax.cache import state as ref_state
-from inkling_jax.cache.conv_state import ConvMeta
 from inkling_jax.cache.layout import ArenaLayout, Field
 from inkling_jax.config import InklingConfig
-from pallas_kernels import conv_state as pconv
-from pallas_kernels import slot_ops as pslot
+from pallas_kernels.conv_state import pallas as pconv
+from pallas_kernels.conv_state import ref as ref_conv
+from pallas_kernels.conv_state.ref import PackedRows
+from pallas_kernels.slot_ops import pallas as pslot
+from pallas_kernels.slot_ops import ref as ref_units
 
 # On a GPU the same tests run the compiled Triton kernels; elsewhere interpret mode.
 INTERPRET = jax.default_backend() != "gpu"
@@ -56,20 +57,38 @@ def conv_fields(lay: ArenaLayout) -> list[Field]:
 
 def random_arena(rng, lay: ArenaLayout, fields: list[Field], dtype) -> jax.Array:
     """Random arena with the conv fields' padding tails zero (as in any arena the library builds)."""
-    e, s = lay.unit_elems, lay.slot_units
-    a = rng.standard_normal((NUM_SLOTS * s + EXTRA_UNITS, e)).astype(np.float32)
+    e = lay.unit_elems
+    a = rng.standard_normal((lay.slot_row(NUM_SLOTS) + EXTRA_UNITS, e)).astype(np.float32)
     for slot in range(NUM_SLOTS):
         for f in fields:
-            rows = slice(slot * s + f.unit_offset, slot * s + f.unit_offset + f.units)
+            rows = slice(lay.slot_row(slot, f), lay.slot_row(slot, f) + f.units)
             flat = a[rows].reshape(-1)
             flat[f.elems:] = 0
             a[rows] = flat.reshape(f.units, e)
     return jnp.asarray(a, dtype)
 
 
+@jax.tree_util.register_dataclass
+@dataclass
+class Meta:
+    """A step's conv metadata: the packed rows, and each row's physical active / checkpoint slot."""
+
+    rows: PackedRows
+    active: jax.Array
+    track_dest: jax.Array
+
+
+def conv_call(op, lay: ArenaLayout, f: Field, ch: tuple[int, int], **kw):
+    """op(arena, x, w_or_window, meta) with the kernels' row addressing (`layout.slot_row`)."""
+    def call(arena, x, w, meta: Meta):
+        return op(arena, x, w, meta.rows, lay.slot_row(meta.active, f), lay.slot_row(meta.track_dest, f),
+                  window_shape=f.shape, channels=ch, sink_rows=lay.sink_rows, **kw)
+    return call
+
+
 def random_meta(rng, num_rows: int, num_tokens: int, km1: int, decode: bool, q: int = 0,
-                shuffle: bool = False) -> ConvMeta:
-    """A step's conv metadata as steps.py builds it, with physical slots drawn at random.
+                shuffle: bool = False) -> Meta:
+    """A step's conv metadata as the steps build it, with physical slots drawn at random.
 
     q: the step's Q (max new tokens of a row; decode: 1); extend default: num_tokens.
     shuffle: the tokens' x rows in a random order instead of packed row by row (the
@@ -129,9 +148,9 @@ def random_meta(rng, num_rows: int, num_tokens: int, km1: int, decode: bool, q: 
         new_of = np.argsort(old_of)
         token_row, token_offset, row_tokens = token_row[old_of], token_offset[old_of], new_of[row_tokens]
     i32 = lambda a: jnp.asarray(a, jnp.int32)
-    return ConvMeta(token_row=i32(token_row), token_offset=i32(token_offset), row_tokens=i32(row_tokens),
-                    has_state=jnp.asarray(has_state), commit_len=i32(commit_len), active=i32(active),
-                    track_dest=i32(track_dest), track_len=i32(track_len))
+    rows = PackedRows(token_row=i32(token_row), token_offset=i32(token_offset), row_tokens=i32(row_tokens),
+                      has_state=jnp.asarray(has_state), commit_len=i32(commit_len), track_len=i32(track_len))
+    return Meta(rows, i32(active), i32(track_dest))
 
 
 def bits(a) -> np.ndarray:
@@ -161,16 +180,9 @@ def assert_bits(got, want, what: str) -> None:
 
 def assert_arena(got, want, before, lay: ArenaLayout, what: str) -> None:
     """Bit for bit outside the sink; the kernel leaves the sink as it was."""
-    s = lay.slot_units
+    s = lay.sink_rows
     assert_bits(got[s:], want[s:], f"{what}: arena outside the sink")
     assert_bits(got[:s], before[:s], f"{what}: sink")
-
-
-def stream_channels(f: Field, cfg: InklingConfig, stream: str) -> tuple[int, int]:
-    c, h = f.shape[1], cfg.hidden_size
-    kv = (c - 2 * h) // 2
-    start, width = {"k": (0, kv), "v": (kv, kv), "attn": (2 * kv, h), "mlp": (2 * kv + h, h)}[stream]
-    return start, start + width
 
 
 # ------------------------------------------------------------------------ conv_update
@@ -192,17 +204,17 @@ def test_conv_update_matches_reference(case):
     rng = np.random.RandomState(sum(map(ord, case)))
     lay = tiny_layout(k)
     f = lay.target[layer].conv
-    chans = [stream_channels(f, lay.cfg, s) for s in streams]
+    chans = [lay.target[layer].channels(s) for s in streams]
 
-    def step(update, arena, xs, ws, meta):  # the streams of one layer, as steps.py calls them
+    def step(update, arena, xs, ws, meta):  # the streams of one layer, as the steps call them
         ys = []
         for ch, x, w in zip(chans, xs, ws):
-            y, arena = update(arena, lay, f, ch, x, w, meta)
+            y, arena = conv_call(update, lay, f, ch)(arena, x, w, meta)
             ys.append(y)
         return ys, arena
 
     for c0, c1 in chans:  # the kernel runs (no fallback to the reference)
-        assert pconv.conv_plan((NUM_SLOTS * lay.slot_units + EXTRA_UNITS, lay.unit_elems), lay, f, (c0, c1),
+        assert pconv.conv_plan((NUM_SLOTS * lay.slot_units + EXTRA_UNITS, lay.unit_elems), f.shape, (c0, c1),
                                c1 - c0, k, max(num_rows, num_tokens)) is not None
     kern = jax.jit(lambda *a: step(pk.conv_ops(True, interpret=INTERPRET).conv_update, *a))
     want_fn = jax.jit(lambda *a: step(ref_conv.conv_update, *a))
@@ -218,11 +230,11 @@ def test_conv_update_matches_reference(case):
         assert_arena(got, want, arena, lay, f"{case} trial {trial}")
         # slots neither active nor checkpointed this step are untouched
         written = set(np.asarray(meta.active).tolist()) | set(np.asarray(meta.track_dest).tolist())
-        s_units = lay.slot_units
         for slot in set(range(1, NUM_SLOTS)) - written:
-            assert_bits(got[slot * s_units:(slot + 1) * s_units], arena[slot * s_units:(slot + 1) * s_units],
-                        f"{case}: untouched slot {slot}")
-        assert_bits(got[NUM_SLOTS * s_units:], arena[NUM_SLOTS * s_units:], f"{case}: units past the slots")
+            units = slice(lay.slot_row(slot), lay.slot_row(slot + 1))
+            assert_bits(got[units], arena[units], f"{case}: untouched slot {slot}")
+        past = lay.slot_row(NUM_SLOTS)
+        assert_bits(got[past:], arena[past:], f"{case}: units past the slots")
 
 
 def test_conv_update_odd_field():
@@ -230,9 +242,9 @@ def test_conv_update_odd_field():
     lay, f = odd_layout()
     rng = np.random.RandomState(1)
     ch = (8, 32)
-    kern = jax.jit(lambda a, x, w, m: pconv.conv_update(a, lay, f, ch, x, w, m, interpret=INTERPRET))
-    want_fn = jax.jit(lambda a, x, w, m: ref_conv.conv_update(a, lay, f, ch, x, w, m))
-    plan = pconv.conv_plan((NUM_SLOTS * lay.slot_units + EXTRA_UNITS, 48), lay, f, ch, 24, 4, 10)
+    kern = jax.jit(conv_call(pconv.conv_update, lay, f, ch, interpret=INTERPRET))
+    want_fn = jax.jit(conv_call(ref_conv.conv_update, lay, f, ch))
+    plan = pconv.conv_plan((NUM_SLOTS * lay.slot_units + EXTRA_UNITS, 48), f.shape, ch, 24, 4, 10)
     assert plan is not None and plan.granule == 8 and plan.nb * plan.granule == 8 and plan.nblocks == 3
     for trial in range(3):
         arena = random_arena(rng, lay, [f], jnp.float32)
@@ -250,27 +262,27 @@ def test_conv_update_block_override():
     reference's result; a block that is not a power of two dividing the width is refused."""
     lay = tiny_layout(4)
     f = lay.target[2].conv
-    ch = stream_channels(f, lay.cfg, "attn")
+    ch = lay.target[2].channels("attn")
     width = ch[1] - ch[0]
     rng = np.random.RandomState(11)
     arena = random_arena(rng, lay, conv_fields(lay), jnp.bfloat16)
     x = jnp.asarray(rng.standard_normal((4, width)), jnp.bfloat16)
     w = jnp.asarray(0.5 * rng.standard_normal((4, width)), jnp.bfloat16)
     meta = random_meta(rng, 4, 4, 3, decode=True)
-    y_ref, want = jax.jit(lambda a: ref_conv.conv_update(a, lay, f, ch, x, w, meta))(arena)
+    y_ref, want = jax.jit(lambda a: conv_call(ref_conv.conv_update, lay, f, ch)(a, x, w, meta))(arena)
     blocks = [b for b in (8, 16, 32, 64) if width % b == 0]
     assert len(blocks) >= 3
     for block in blocks:
-        plan = pconv.conv_plan((NUM_SLOTS * lay.slot_units + EXTRA_UNITS, lay.unit_elems), lay, f, ch, width, 4, 4,
+        plan = pconv.conv_plan((NUM_SLOTS * lay.slot_units + EXTRA_UNITS, lay.unit_elems), f.shape, ch, width, 4, 4,
                                block=block, num_warps=2)
         assert (plan.block, plan.nblocks, plan.num_warps) == (block, width // block, 2)
-        y, got = jax.jit(lambda a, b=block: pconv.conv_update(a, lay, f, ch, x, w, meta, interpret=INTERPRET,
-                                                               block=b, num_warps=2))(arena)
+        kern = conv_call(pconv.conv_update, lay, f, ch, interpret=INTERPRET, block=block, num_warps=2)
+        y, got = jax.jit(lambda a, op=kern: op(a, x, w, meta))(arena)
         assert_y(y, y_ref, f"block {block} y")
         assert_arena(got, want, arena, lay, f"block {block}")
     for bad in (0, 3 * blocks[0], 2 * width):
         with pytest.raises(ValueError, match="block must be a power of two"):
-            pconv.conv_update(arena, lay, f, ch, x, w, meta, interpret=INTERPRET, block=bad)
+            conv_call(pconv.conv_update, lay, f, ch, interpret=INTERPRET, block=bad)(arena, x, w, meta)
 
 
 @pytest.mark.parametrize("shuffle", [False, True], ids=["packed", "shuffled"])
@@ -281,7 +293,7 @@ def test_conv_update_token_tiles(shuffle):
     order (every guess may miss); a tile below 1 is refused."""
     lay = tiny_layout(4)
     f = lay.target[1].conv
-    chans = [stream_channels(f, lay.cfg, s) for s in ("k", "attn")]
+    chans = [lay.target[1].channels(s) for s in ("k", "attn")]
     rng = np.random.RandomState(12 + shuffle)
     arena = random_arena(rng, lay, conv_fields(lay), jnp.bfloat16)
     num_rows, num_tokens = 4, 22
@@ -291,14 +303,15 @@ def test_conv_update_token_tiles(shuffle):
         for c0, c1 in chans:
             x = jnp.asarray(rng.standard_normal((num_tokens, c1 - c0)), jnp.bfloat16)
             w = jnp.asarray(0.5 * rng.standard_normal((4, c1 - c0)), jnp.bfloat16)
-            y_ref, want = jax.jit(lambda a: ref_conv.conv_update(a, lay, f, (c0, c1), x, w, meta))(arena)
-            y, got = jax.jit(lambda a: pconv.conv_update(a, lay, f, (c0, c1), x, w, meta, interpret=INTERPRET,
-                                                         tile=tile))(arena)
+            ref_op = conv_call(ref_conv.conv_update, lay, f, (c0, c1))
+            kern = conv_call(pconv.conv_update, lay, f, (c0, c1), interpret=INTERPRET, tile=tile)
+            y_ref, want = jax.jit(lambda a: ref_op(a, x, w, meta))(arena)
+            y, got = jax.jit(lambda a: kern(a, x, w, meta))(arena)
             assert_y(y, y_ref, f"tile {tile} y ({c0}, {c1})")
             assert_arena(got, want, arena, lay, f"tile {tile} ({c0}, {c1})")
     for bad in (0, -2):
         with pytest.raises(ValueError, match="token_tile must be a positive int"):
-            pconv.conv_update(arena, lay, f, chans[0], x, w, meta, interpret=INTERPRET, tile=bad)
+            conv_call(pconv.conv_update, lay, f, chans[0], interpret=INTERPRET, tile=bad)(arena, x, w, meta)
 
 
 def test_token_tile_rule():
@@ -322,12 +335,12 @@ def test_conv_write_matches_reference(k, adt, wdt, xdt):
     rng = np.random.RandomState(k)
     lay = tiny_layout(k)
     f = lay.target[3].conv
-    ch = stream_channels(f, lay.cfg, "attn")
+    ch = lay.target[3].channels("attn")
     num_rows, num_tokens, width = 4, 12, ch[1] - ch[0]
-    assert pconv.conv_plan((NUM_SLOTS * lay.slot_units + EXTRA_UNITS, lay.unit_elems), lay, f, ch, width, k,
+    assert pconv.conv_plan((NUM_SLOTS * lay.slot_units + EXTRA_UNITS, lay.unit_elems), f.shape, ch, width, k,
                            num_rows) is not None
-    kern = jax.jit(lambda a, x, w, m: pconv.conv_write(a, lay, f, ch, x, w, m, interpret=INTERPRET))
-    want_fn = jax.jit(lambda a, x, w, m: ref_conv.conv_write(a, lay, f, ch, x, w, m))
+    kern = jax.jit(conv_call(pconv.conv_write, lay, f, ch, interpret=INTERPRET))
+    want_fn = jax.jit(conv_call(ref_conv.conv_write, lay, f, ch))
     for trial in range(3):
         arena = random_arena(rng, lay, conv_fields(lay), adt)
         x = jnp.asarray(rng.standard_normal((num_tokens, width)), xdt)
@@ -349,18 +362,21 @@ def test_slot_ops_match_reference():
     src = jnp.asarray([perm[0], perm[1], perm[2], perm[3]], jnp.int32)
     dst = jnp.asarray([perm[4], 0, perm[5], 0], jnp.int32)  # pairs aimed at the sink are inert
 
-    for first, n in [(0, None), (lay.draft_unit_start, None), (2, 3)]:
-        got = jax.jit(lambda a, s, d: ops.copy_slot_units(a, lay, s, d, first, n))(arena, src, dst)
-        want = ref_state.copy_slot_units(arena, lay, src, dst, first, n)
+    # whole slots, the draft block alone, a run inside the slot (rows from layout.slot_row)
+    for first, n in [(0, lay.slot_units), (lay.draft_unit_start, lay.draft_units), (2, 3)]:
+        kw = dict(num_units=n, sink_rows=lay.sink_rows)
+        src_rows, dst_rows = lay.slot_row(src) + first, lay.slot_row(dst) + first
+        got = jax.jit(lambda a, s, d: ops.copy_units(a, s, d, **kw))(arena, src_rows, dst_rows)
+        want = ref_units.copy_units(arena, src_rows, dst_rows, **kw)
         assert_arena(got, want, arena, lay, f"copy first={first} n={n}")
-        got = jax.jit(lambda a, d: ops.clear_slot_units(a, lay, d, first, n))(arena, dst)
-        want = ref_state.clear_slot_units(arena, lay, dst, first, n)
+        got = jax.jit(lambda a, d: ops.clear_units(a, d, **kw))(arena, dst_rows)
+        want = ref_units.clear_units(arena, dst_rows, **kw)
         assert_arena(got, want, arena, lay, f"clear first={first} n={n}")
 
-    units = rng.permutation(arena.shape[0])[:10]
+    units = rng.permutation(arena.shape[0])[:10]  # compaction moves: single units anywhere, no sink
     src_rows, dst_rows = jnp.asarray(units[:5], jnp.int32), jnp.asarray(units[5:], jnp.int32)
-    got = jax.jit(lambda a, s, d: ops.move_units(a, s, d))(arena, src_rows, dst_rows)
-    assert_bits(got, ref_state.move_units(arena, src_rows, dst_rows), "move_units")
+    got = jax.jit(lambda a, s, d: ops.copy_units(a, s, d))(arena, src_rows, dst_rows)
+    assert_bits(got, ref_units.copy_units(arena, src_rows, dst_rows), "move units")
 
 
 # ------------------------------------------------------------------------- gradients
@@ -382,7 +398,7 @@ def test_gradients_match_reference():
     rng = np.random.RandomState(3)
     lay = tiny_layout(4)
     f = lay.target[2].conv
-    ch = stream_channels(f, lay.cfg, "attn")
+    ch = lay.target[2].channels("attn")
     width = ch[1] - ch[0]
     arena = random_arena(rng, lay, conv_fields(lay), jnp.float32)
     x = jnp.asarray(rng.standard_normal((10, width)), jnp.float32)
@@ -394,7 +410,7 @@ def test_gradients_match_reference():
 
     def loss(update):
         def fn(a, xx, ww):
-            y, out = update(a, lay, f, ch, xx, ww, meta)
+            y, out = conv_call(update, lay, f, ch)(a, xx, ww, meta)
             return jnp.sum(y * probe_y) + jnp.sum(out * probe_a)
         return fn
 
@@ -404,13 +420,14 @@ def test_gradients_match_reference():
     window = jnp.asarray(rng.standard_normal((3, 3, width)), jnp.float32)
 
     def wloss(write):
-        return lambda a, xx, win: jnp.sum(write(a, lay, f, ch, xx, win, meta) * probe_a)
+        return lambda a, xx, win: jnp.sum(conv_call(write, lay, f, ch)(a, xx, win, meta) * probe_a)
 
     _grad_check(wloss(ops.conv_write), wloss(ref_conv.conv_write), (arena, x, window), (0, 1, 2), "conv_write")
 
-    src, dst = jnp.asarray([1, 2], jnp.int32), jnp.asarray([3, 4], jnp.int32)
-    _grad_check(lambda a: jnp.sum(ops.copy_slot_units(a, lay, src, dst) * probe_a),
-                lambda a: jnp.sum(ref_state.copy_slot_units(a, lay, src, dst) * probe_a), (arena,), (0,), "copy")
+    src, dst = lay.slot_row(jnp.asarray([1, 2], jnp.int32)), lay.slot_row(jnp.asarray([3, 4], jnp.int32))
+    kw = dict(num_units=lay.slot_units, sink_rows=lay.sink_rows)
+    _grad_check(lambda a: jnp.sum(ops.copy_units(a, src, dst, **kw) * probe_a),
+                lambda a: jnp.sum(ref_units.copy_units(a, src, dst, **kw) * probe_a), (arena,), (0,), "copy")
 
 
 # --------------------------------------------------------------- dispatch and fallbacks
@@ -432,18 +449,17 @@ def test_conv_ops_dispatch():
 def test_plan_constraints_and_fallback():
     lay = tiny_layout(4)
     f = lay.target[2].conv
-    ch = stream_channels(f, lay.cfg, "mlp")
+    ch = lay.target[2].channels("mlp")
     width = ch[1] - ch[0]
-    plan = pconv.conv_plan((100, lay.unit_elems), lay, f, ch, width, 4, 4)
+    plan = pconv.conv_plan((100, lay.unit_elems), f.shape, ch, width, 4, 4)
     assert plan is not None and plan.block % plan.granule == 0 and width % plan.block == 0
     assert (plan.block & (plan.block - 1)) == 0 and (plan.granule & (plan.granule - 1)) == 0
     # granule rows past int32, a kernel size that does not match the field, K = 1: the reference
-    assert pconv.conv_plan((2**31 // (lay.unit_elems // plan.granule) + 1, lay.unit_elems), lay, f, ch, width, 4,
+    assert pconv.conv_plan((2**31 // (lay.unit_elems // plan.granule) + 1, lay.unit_elems), f.shape, ch, width, 4,
                            4) is None
-    assert pconv.conv_plan((100, lay.unit_elems), lay, f, ch, width, 3, 4) is None
+    assert pconv.conv_plan((100, lay.unit_elems), f.shape, ch, width, 3, 4) is None
     assert pslot._tile((2**40, 64)) is None
-    odd = dataclasses.replace(f, shape=(3, f.shape[1], 1))  # not a [K-1, C] field
-    assert pconv.conv_plan((100, lay.unit_elems), lay, odd, ch, width, 4, 4) is None
+    assert pconv.conv_plan((100, lay.unit_elems), (3, f.shape[1], 1), ch, width, 4, 4) is None  # not [K-1, C]
 
 
 def test_fallback_returns_reference(monkeypatch):
@@ -451,14 +467,14 @@ def test_fallback_returns_reference(monkeypatch):
     rng = np.random.RandomState(5)
     lay = tiny_layout(4)
     f = lay.target[2].conv
-    ch = stream_channels(f, lay.cfg, "mlp")
+    ch = lay.target[2].channels("mlp")
     width = ch[1] - ch[0]
     arena = random_arena(rng, lay, conv_fields(lay), jnp.float32)
     x = jnp.asarray(rng.standard_normal((4, width)), jnp.float32)
     w = jnp.asarray(rng.standard_normal((4, width)), jnp.float32)
     meta = random_meta(rng, 4, 4, 3, decode=True)
-    y, a = pconv.conv_update(arena, lay, f, ch, x, w, meta, interpret=INTERPRET)
-    y_ref, a_ref = ref_conv.conv_update(arena, lay, f, ch, x, w, meta)
+    y, a = conv_call(pconv.conv_update, lay, f, ch, interpret=INTERPRET)(arena, x, w, meta)
+    y_ref, a_ref = conv_call(ref_conv.conv_update, lay, f, ch)(arena, x, w, meta)
     assert_bits(y, y_ref, "y")
     # outside the sink (several padded rows write it; on a GPU which write lands is arbitrary)
     assert_bits(a[lay.slot_units:], a_ref[lay.slot_units:], "arena")
@@ -485,19 +501,19 @@ def test_kernels_lower_for_gpu():
         assert "xla.gpu.triton" in text
 
     f = lay.target[0].conv
-    ch = stream_channels(f, cfg, "attn")
+    ch = lay.target[0].channels("attn")
     w = ch[1] - ch[0]
     for b, t, q in [(32, 32, 1), (4, 256, 64)]:
-        meta = ConvMeta(token_row=i32(t), token_offset=i32(t), row_tokens=i32(b, q), has_state=sds((b,), jnp.bool_),
-                        commit_len=i32(b), active=i32(b), track_dest=i32(b), track_len=i32(b))
+        rows = PackedRows(token_row=i32(t), token_offset=i32(t), row_tokens=i32(b, q), has_state=sds((b,), jnp.bool_),
+                          commit_len=i32(b), track_len=i32(b))
+        meta = Meta(rows, i32(b), i32(b))
         x = sds((t, w), jnp.bfloat16)
-        lower(lambda a, x, wt, m: pconv.conv_update(a, lay, f, ch, x, wt, m), arena, x, sds((4, w), jnp.bfloat16),
-              meta)
-    lower(lambda a, x, win, m: pconv.conv_write(a, lay, f, ch, x, win, m), arena, x, sds((b, 3, w), jnp.bfloat16),
-          meta)
-    lower(lambda a, s, d: pslot.copy_slot_units(a, lay, s, d), arena, i32(8), i32(8))
-    lower(lambda a, d: pslot.clear_slot_units(a, lay, d), arena, i32(8))
-    lower(lambda a, s, d: pslot.move_units(a, s, d), arena, i32(64), i32(64))
+        lower(conv_call(pconv.conv_update, lay, f, ch), arena, x, sds((4, w), jnp.bfloat16), meta)
+    lower(conv_call(pconv.conv_write, lay, f, ch), arena, x, sds((b, 3, w), jnp.bfloat16), meta)
+    kw = dict(num_units=lay.slot_units, sink_rows=lay.sink_rows)
+    lower(lambda a, s, d: pslot.copy_units(a, s, d, **kw), arena, i32(8), i32(8))
+    lower(lambda a, d: pslot.clear_units(a, d, **kw), arena, i32(8))
+    lower(lambda a, s, d: pslot.copy_units(a, s, d), arena, i32(64), i32(64))
 
 
 def test_engine_with_pallas_kernels_matches_jnp(trunk_params):
@@ -513,7 +529,7 @@ def test_engine_with_pallas_kernels_matches_jnp(trunk_params):
         with jax.default_matmul_precision("highest"):  # true f32 products on a GPU too (not TF32)
             engine = ik.Engine(TRUNK, trunk_params, ik.EngineConfig(**kw))
             if pallas:
-                assert engine.ops.moe_experts is not None
+                assert engine.runner.ops.moe_experts is not None
             (req,) = engine.submit([prompt], ik.SamplingParams(max_new_tokens=6))
             while engine.running or engine.waiting:
                 engine.step()

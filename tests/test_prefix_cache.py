@@ -4,7 +4,6 @@ property test of random schedules against an engine with the prefix cache off.""
 
 from __future__ import annotations
 
-import dataclasses
 
 import jax.numpy as jnp
 import numpy as np
@@ -14,8 +13,9 @@ from hypothesis import strategies as st
 
 import inkling_jax as ik
 from inkling_jax.cache.layout import ArenaLayout
-from inkling_jax.cache.state import init_state, read_field, slot_rows
-from inkling_jax.steps import StepBatch, StepShape, compile_step
+from inkling_jax.cache.state import init_state, read_slot_field
+from inkling_jax.engine import Request, Resources
+from inkling_jax.steps import RowPlan, StepShape, compile_step, pack_batch
 from conftest import ENGINE_KW, TRUNK, make_engine, reference_logprobs
 
 POOLS = [("unified", "eager"), ("unified", "lazy"), ("static", "eager"), ("static", "lazy")]
@@ -28,14 +28,7 @@ def prompts_from(seed, lengths):
 
 def slot_contents(engine, virtual: int) -> dict[str, np.ndarray]:
     """Every field of a slot (conv windows, sliding rings), read through the live table."""
-    lay = engine.layout
-    phys = jnp.asarray([engine.pool.physical_slot(virtual)])
-    out = {}
-    for i, fields in enumerate(lay.target):
-        for name, f in (("conv", fields.conv), ("ring", fields.ring)):
-            if f is not None:
-                out[f"layer{i}.{name}"] = np.asarray(read_field(engine.state.arena, lay, slot_rows(lay, phys, f), f))
-    return out
+    return {name: v for name, v in engine.read_slot(virtual).items() if name.startswith("target.")}
 
 
 def drain(engine):
@@ -100,15 +93,15 @@ def test_restored_windows_are_bit_exact(trunk_params, ping_pong):
     other.step()
     other.step()  # chunks [0, 8), [8, 16): the same chunking as the first run
     assert req.committed == 16 and req.finish_reason is None
-    fresh = slot_contents(other, req.slot)
+    fresh = slot_contents(other, req.held.virtual_slot)
     assert cached.keys() == fresh.keys()
     for name in cached:
         np.testing.assert_array_equal(cached[name], fresh[name], err_msg=name)
 
     # a hit copies it into the new request's own slot inside its first step
     req2 = engine.submit([prompt], ik.SamplingParams(max_new_tokens=1, stop_at_eos=False))[0]
-    engine._admit_waiting()
-    assert req2.cow_src == match.node.checkpoint and req2.slot != req2.cow_src
+    engine.admission.admit_waiting(engine.waiting)
+    assert req2.virtual_cow_slot == match.node.checkpoint and req2.held.virtual_slot != req2.virtual_cow_slot
     drain(engine)
     engine.check_invariants()
 
@@ -130,9 +123,9 @@ def test_multi_turn_session(trunk_params, ping_pong):
         history += turn + out.tokens
         engine.check_invariants()
     sess = engine.sessions[sid]
-    held = [s for s in [sess.slot, *sess.track] if s > 0]
+    held = sess.held.slots()
     if ping_pong == "lazy":
-        assert -1 in sess.track  # lazily absent
+        assert -1 in sess.held.virtual_track_slots  # lazily absent
     live_before = engine.pool.live_count("slot")
     engine.close_session(sid)
     assert engine.pool.live_count("slot") == live_before - len(held)
@@ -151,20 +144,20 @@ def test_admission_needs_and_rollback(trunk_params):
     for ping_pong, need in (("eager", 3), ("lazy", 2)):
         engine = make_engine(trunk_params, pool="static", num_slots=need, ping_pong=ping_pong)
         req = engine.submit([[5, 6, 7]], sp)[0]
-        engine._admit_waiting()
+        engine.admission.admit_waiting(engine.waiting)
         assert engine.running == [req] and engine.pool.live_count("slot") == need
-        assert (req.track[1] == -1) == (ping_pong == "lazy")
+        assert (req.held.virtual_track_slots[1] == -1) == (ping_pong == "lazy")
 
     engine = make_engine(trunk_params, pool="static", num_slots=3)
     engine.generate([prompts_from(6, (20,))[0]], sp)  # leaves checkpoints in the tree
     assert engine.pool.live_count("slot") >= 1
     before = (engine.pool.live_count("slot"), engine.pool.live_count("page"), engine.tree.owned())
     blocker = engine.submit([[1, 2, 3]], sp)[0]
-    engine._admit_waiting()  # needs 3 slots: evicts the tree's checkpoints to get them
+    engine.admission.admit_waiting(engine.waiting)  # needs 3 slots: evicts the tree's checkpoints to get them
     assert engine.running == [blocker] and engine.stats()["evicted_slots"] >= 1
     waiter = engine.submit([[4, 5, 6]], sp)[0]
     live = (engine.pool.live_count("slot"), engine.pool.live_count("page"))
-    engine._admit_waiting()  # nothing left to evict: deferred, nothing taken
+    engine.admission.admit_waiting(engine.waiting)  # nothing left to evict: deferred, nothing taken
     assert engine.waiting == [waiter] and engine.stats()["deferred"] == 1
     assert (engine.pool.live_count("slot"), engine.pool.live_count("page")) == live
     engine.check_invariants()
@@ -180,25 +173,19 @@ def test_checkpoint_positions(trunk_params, committed, n, expected):
     """S14 for our grid (track_interval 8, absolute): a step that reaches or crosses a
     multiple of 8 writes the window ending there; the track length is counted from the step start."""
     engine = make_engine(trunk_params)
-    req = ik.engine.Request(0, list(range(40)), 40, ik.SamplingParams(), track=[5, 6], committed=committed)
-    plan = engine._plan_checkpoint(req, n)
+    req = Request(0, list(range(40)), 40, ik.SamplingParams(),
+                  held=Resources(virtual_track_slots=[5, 6], committed=committed))
+    plan = engine.checkpoints.plan(req, n)
     assert (plan is None) if expected is None else (plan == (0, expected - committed))
 
 
 # ------------------------------------------------------- step-level scenarios
 
 
-def _decode_batch(rows, b, slots, track_slots, track_len, seq, pages, tokens):
-    z = lambda v, d=np.int32: np.asarray(v, d)
-    live = len(rows)
-    pad = b - live
-    return dataclasses.replace(
-        StepBatch.empty(StepShape("decode", b, b, 1, len(pages[0]))),
-        tokens=z(list(tokens) + [0] * pad), token_row=z(range(b)), token_offset=z([0] * b),
-        slot=z(list(slots) + [0] * pad), has_state=z([s > 0 for s in seq] + [False] * pad, bool),
-        seq_start=z(list(seq) + [0] * pad), num_new=z([1] * live + [0] * pad), query_start=z(range(b)),
-        pages=z([list(p) for p in pages] + [[0] * len(pages[0])] * pad),
-        track_slot=z(list(track_slots) + [0] * pad), track_len=z(list(track_len) + [0] * pad))
+def _decode_batch(b, slots, track_slots, track_len, seq, pages, tokens):
+    rows = [RowPlan(tokens=[tok], seq_start=st, virtual_slot=v, virtual_pages=pg, virtual_track_slot=tv, track_len=tl)
+            for tok, st, v, pg, tv, tl in zip(tokens, seq, slots, pages, track_slots, track_len)]
+    return pack_batch(StepShape("decode", b, b, 1, len(pages[0])), rows)
 
 
 def test_checkpoints_land_only_in_translated_slots(trunk_params):
@@ -218,33 +205,33 @@ def test_checkpoints_land_only_in_translated_slots(trunk_params):
     before = np.asarray(state.arena)
     active, track = [1, 2, 3], [4, 5, 6]
     pages = [[1, 2, 3, 0], [4, 5, 6, 0], [7, 8, 9, 0]]
-    batch = _decode_batch([0, 1, 2], 4, active, track, [1, 0, 1], [7, 9, 8], pages, [5, 6, 7])
+    batch = _decode_batch(4, active, track, [1, 0, 1], [7, 9, 8], pages, [5, 6, 7])
     _, state = step(trunk_params, state, batch)
     after = np.asarray(state.arena)
     changed = set(np.nonzero(np.any(after != before, axis=1))[0].tolist())
 
     def rows_of_slot(v):
-        return set(range(perm[v] * lay.slot_units, (perm[v] + 1) * lay.slot_units))
+        return set(range(lay.slot_row(perm[v]), lay.slot_row(perm[v]) + lay.slot_units))
 
     allowed = set(range(lay.slot_units))  # the sink slot
     for v in active + [4, 6]:
         allowed |= rows_of_slot(v)
-    allowed |= {units - (p + 1) * lay.page_units + k for row in pages for p in row if p for k in range(lay.page_units)}
-    allowed |= set(range(units - lay.page_units, units))  # the sink page
+    allowed |= {lay.page_row(p, units, k) for row in pages for p in row if p for k in range(lay.page_units)}
+    allowed |= {lay.page_row(0, units, k) for k in range(lay.page_units)}  # the sink page
     assert changed <= allowed, f"unexpected rows written: {sorted(changed - allowed)}"
     assert not (changed & rows_of_slot(5)), "a masked-off checkpoint slot was written"
     assert changed & rows_of_slot(4) and changed & rows_of_slot(6)
     f = lay.target[1].conv  # the checkpoint windows equal the active windows after the step
     for act, trk in ((1, 4), (3, 6)):
-        a = read_field(state.arena, lay, slot_rows(lay, jnp.asarray([perm[act]]), f), f)
-        t = read_field(state.arena, lay, slot_rows(lay, jnp.asarray([perm[trk]]), f), f)
+        a = read_slot_field(state.arena, lay, jnp.asarray([perm[act]]), f)
+        t = read_slot_field(state.arena, lay, jnp.asarray([perm[trk]]), f)
         np.testing.assert_array_equal(a, t)
 
-    inert = _decode_batch([], 4, [], [], [], [], [[0] * 4], [])
+    inert = pack_batch(StepShape("decode", 4, 4, 1, 4), [])
     snapshot = np.asarray(state.arena)
     _, state = step(trunk_params, state, inert)
     diff = np.nonzero(np.any(np.asarray(state.arena) != snapshot, axis=1))[0]
-    sinks = set(range(lay.slot_units)) | set(range(units - lay.page_units, units))
+    sinks = set(range(lay.sink_rows)) | {lay.page_row(0, units, k) for k in range(lay.page_units)}
     assert set(diff.tolist()) <= sinks
 
 
@@ -265,7 +252,7 @@ def test_unified_holds_what_no_static_split_can(trunk_params):
             engine.submit(prompts, sp)
         except ValueError:
             return False  # longer than this split can ever hold
-        engine._admit_waiting()
+        engine.admission.admit_waiting(engine.waiting)
         return len(engine.running) == len(prompts)
 
     unified = make_engine(trunk_params, pool="unified", **kw)
@@ -332,8 +319,7 @@ def test_random_schedules_match_no_cache(trunk_params, pool, ping_pong, ops):
             engine.close_session(sid)
             sid = None
         elif op[0] == "compact":
-            engine.pool.compact()
-            engine._sync_pool()
+            engine.compact()
         elif op[0] == "evict":
             engine.evict_all()
         engine.check_invariants()

@@ -5,12 +5,10 @@ prefix hits after speculation, and the sampling distribution."""
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import inkling_jax as ik
-from inkling_jax.cache.state import read_field, slot_rows
 from conftest import ENGINE_KW
 
 # Two trunk layers (a sliding dense one and a full MoE one) and three MTP depths, the middle
@@ -33,8 +31,23 @@ def spec_params():
     return ik.init_params(SPEC_CFG, jax.random.key(1), std=0.1)
 
 
-def spec_engine(params, spec, **kw):
-    return ik.Engine(SPEC_CFG, params, ik.EngineConfig(**{**ENGINE_KW, "spec_steps": spec, **kw}))
+class ScriptedDrafts(ik.Engine):
+    """A test double: verify steps check `script(request, proposed_drafts)` instead of the MTP
+    chain's proposals (through the engine's documented `drafts_for` hook)."""
+
+    def __init__(self, *args, script, **kw):
+        super().__init__(*args, **kw)
+        self.script = script
+
+    def drafts_for(self, r):
+        return list(self.script(r, super().drafts_for(r)))
+
+
+def spec_engine(params, spec, script=None, **kw):
+    config = ik.EngineConfig(**{**ENGINE_KW, "spec_steps": spec, **kw})
+    if script is None:
+        return ik.Engine(SPEC_CFG, params, config)
+    return ScriptedDrafts(SPEC_CFG, params, config, script=script)
 
 
 def prompts_from(seed, lengths):
@@ -47,28 +60,15 @@ def run_with_compactions(engine, prompts, sp):
     reqs = engine.submit(prompts, sp)
     while engine.running or engine.waiting:
         engine.step()
-        engine.pool.compact()
-        engine._sync_pool()
+        engine.compact()
         engine.check_invariants()
     return reqs
 
 
 def slot_fields(engine, virtual, depth):
     """Every field of a slot; ring rows reordered to positions [depth - W, depth)."""
-    lay = engine.layout
-    phys = jnp.asarray([engine.pool.physical_slot(virtual)])
-    out = {}
-    for tag, blocks in (("target", lay.target), ("draft", lay.draft)):
-        for i, fs in enumerate(blocks):
-            for name in ("conv", "ring", "hidden"):
-                f = getattr(fs, name)
-                if f is None:
-                    continue
-                v = np.asarray(read_field(engine.state.arena, lay, slot_rows(lay, phys, f), f))
-                if name == "ring":
-                    v = v[:, [p % lay.ring for p in range(depth - SPEC_CFG.sliding_window, depth)]]
-                out[f"{tag}{i}.{name}"] = v
-    return out
+    ring_rows = [p % engine.layout.ring for p in range(depth - SPEC_CFG.sliding_window, depth)]
+    return {name: v[ring_rows] if name.endswith(".ring") else v for name, v in engine.read_slot(virtual).items()}
 
 
 # ------------------------------------------------------------------ the chain math
@@ -183,8 +183,7 @@ def test_every_accept_length_commits_the_plain_state(spec_params):
     ref = slot_fields(plain_engine, plain_engine.tree.match(truth[tuple(prompt)], depth).node.checkpoint, depth)
     drafts_by_k = {}
     for k in range(spec + 1):
-        engine = spec_engine(spec_params, spec)
-        engine.draft_override = oracle(truth, spec, k)
+        engine = spec_engine(spec_params, spec, script=oracle(truth, spec, k))
         out = engine.generate([prompt], sp)[0]
         assert out.tokens == plain.tokens
         np.testing.assert_allclose(out.logprobs, plain.logprobs, rtol=0, atol=1e-4)
@@ -224,21 +223,20 @@ def test_prefix_hit_after_spec_restores_target_and_draft(spec_params):
     spec = 2
     prompt = prompts_from(8, (11,))[0]
     sp = ik.SamplingParams(max_new_tokens=26, stop_at_eos=False)
-    engine = spec_engine(spec_params, spec)
+    seen, seen_fresh, recording = [], [], []
+
+    def record(r, d):
+        recording[0].append(tuple(d)) if recording else None
+        return d
+    engine = spec_engine(spec_params, spec, script=record)
     first = engine.generate([prompt], sp)[0]
     history = prompt + first.tokens
     continuation = history[:34] + [5, 6, 7]
-    seen = []
-
-    def record(r, d):
-        seen.append(tuple(d))
-        return d
-    engine.draft_override = record
+    recording.append(seen)
     hit = engine.generate([continuation], ik.SamplingParams(max_new_tokens=10, stop_at_eos=False))[0]
     assert hit.cached_tokens == 32  # the checkpoint the speculative rounds left last (interval 8)
-    fresh = spec_engine(spec_params, spec, prefix_cache=False)
-    seen_fresh = []
-    fresh.draft_override = lambda r, d: (seen_fresh.append(tuple(d)), d)[1]
+    fresh = spec_engine(spec_params, spec, prefix_cache=False,
+                        script=lambda r, d: (seen_fresh.append(tuple(d)), d)[1])
     ref = fresh.generate([continuation], ik.SamplingParams(max_new_tokens=10, stop_at_eos=False))[0]
     assert hit.tokens == ref.tokens
     assert seen == seen_fresh  # the restored draft state drafts as the uncached one does

@@ -12,6 +12,14 @@ live in it, each a whole number of contiguous units:
 * a **page** (`page_units` units): `page_size` tokens of K/V for every full-attention layer
   (trunk full layers, then full-attention MTP depths), one unit per layer.
 
+Where things are (the one place that says it; kernels take the rows these give):
+
+    physical slot j, unit u of it:   arena row  j * slot_units + u          (`slot_unit_row`)
+    physical page q, page layer l:   arena row  U - (q + 1) * page_units + l  (`page_unit_row`)
+    conv stream s of a layer:        channels `LayerSlotFields.channels(s)` of its conv field
+
+Physical slot 0 (rows [0, slot_units)) and physical page 0 are sinks.
+
 The unit is one full-attention layer's K/V page: `page_size * 2 * kv_heads * head_dim`
 elements. Every field starts on a unit boundary, so steps move whole units (int32 row
 indices into the arena; no element-level indexing, which would need 64-bit indices for an
@@ -44,11 +52,31 @@ class Field:
         return math.prod(self.shape)
 
 
+def slot_unit_row(physical_slot, slot_units: int, unit_offset: int = 0):
+    """Arena row of unit `unit_offset` of physical slot(s) (ints, numpy or jax arrays)."""
+    return physical_slot * slot_units + unit_offset
+
+
+def page_unit_row(physical_page, num_units: int, page_units: int, page_layer: int = 0):
+    """Arena row of unit `page_layer` of physical page(s): pages grow down from the top."""
+    return num_units - (physical_page + 1) * page_units + page_layer
+
+
 @dataclass(frozen=True)
 class LayerSlotFields:
     conv: Field  # [K-1, C] with C = kv_dim (k) + kv_dim (v) + H (attn) + H (mlp)
     ring: Field | None  # sliding layers: [ring, 2, kv_heads, head_dim]
     hidden: Field | None  # MTP depths but the last: [H], the hidden state carried to the next depth
+    kv_dim: int  # channels of the k (and of the v) stream
+
+    def channels(self, stream: str) -> tuple[int, int]:
+        """Channel range [c0, c1) of a conv stream in the conv field ("kv": k and v together)."""
+        kv, h = self.kv_dim, (self.conv.shape[1] - 2 * self.kv_dim) // 2
+        ranges = {"k": (0, kv), "v": (kv, 2 * kv), "kv": (0, 2 * kv), "attn": (2 * kv, 2 * kv + h),
+                  "mlp": (2 * kv + h, 2 * kv + 2 * h)}
+        if stream not in ranges:
+            raise ValueError(f"unknown conv stream {stream!r}; streams: {', '.join(ranges)}")
+        return ranges[stream]
 
 
 @dataclass(frozen=True)
@@ -88,7 +116,7 @@ class ArenaLayout:
             conv = take((k1, 2 * g.kv_dim + 2 * cfg.hidden_size))
             ring_f = take((ring, 2, g.num_kv_heads, g.head_dim)) if g.is_sliding else None
             hidden = take((cfg.hidden_size,)) if with_hidden else None
-            return LayerSlotFields(conv, ring_f, hidden)
+            return LayerSlotFields(conv, ring_f, hidden, g.kv_dim)
 
         target = tuple(layer_fields(cfg.layer_geometry(i), False) for i in range(cfg.num_layers))
         draft_start = cursor
@@ -116,6 +144,19 @@ class ArenaLayout:
                 page_layer += 1
         return ArenaLayout(cfg, page_size, spec_steps, unit, slot_units, max(page_layer, 1), ring,
                            target, draft, tuple(target_page), tuple(draft_page), draft_start)
+
+    def slot_row(self, physical_slot, f: Field | None = None):
+        """Arena row of field f's first unit (of the slot's first unit when f is None)."""
+        return slot_unit_row(physical_slot, self.slot_units, 0 if f is None else f.unit_offset)
+
+    def page_row(self, physical_page, num_units: int, page_layer: int):
+        """Arena row holding `page_layer`'s K/V of the given physical pages."""
+        return page_unit_row(physical_page, num_units, self.page_units, page_layer)
+
+    @property
+    def sink_rows(self) -> int:
+        """Arena rows [0, sink_rows) are the sink slot's."""
+        return self.slot_units
 
     @property
     def slot_elems(self) -> int:

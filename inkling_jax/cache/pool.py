@@ -33,6 +33,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .layout import page_unit_row, slot_unit_row
+
 
 class PoolExhausted(Exception):
     """No room for the object even after compaction (the caller may evict and retry)."""
@@ -87,17 +89,19 @@ class UnitPool:
     # ------------------------------------------------------------------ geometry
 
     def _rows(self, kind: _Kind, phys: int) -> range:
+        """The arena rows of a physical object (`layout.py`'s formulas)."""
         if kind is self.slots:
-            return range(phys * kind.units, (phys + 1) * kind.units)
-        return range(self.num_units - (phys + 1) * kind.units, self.num_units - phys * kind.units)
+            first = slot_unit_row(phys, kind.units)
+        else:
+            first = page_unit_row(phys, self.num_units, kind.units)
+        return range(first, first + kind.units)
 
     def _row_is_live(self, row: int) -> bool:
         """Whether arena row `row` belongs to a live slot or page (moves into rows whose
         object was freed since are dropped)."""
-        slot_end = (self.slots.top + 1) * self.slots.units
-        if row < slot_end:
+        if row < slot_unit_row(self.slots.top + 1, self.slots.units):
             return row // self.slots.units in self.slots.p2v
-        phys = (self.num_units - 1 - row) // self.pages.units
+        phys = (self.num_units - 1 - row) // self.pages.units  # page_unit_row, inverted
         return phys <= self.pages.top and phys in self.pages.p2v
 
     def _units_used(self) -> int:

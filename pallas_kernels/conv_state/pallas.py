@@ -1,10 +1,12 @@
 """Pallas kernels for the short-conv state on the arena: fused conv + window writes.
 
-Mirrors `inkling_jax/cache/conv_state.py` (the reference; read its docstrings for the
-semantics) with the same signatures plus `interpret`:
+Mirrors `ref.py` (the reference; read its docstrings for the semantics) with the same
+signatures plus `interpret` and the sink's extent:
 
-    conv_update(arena, layout, f, channels, x, weight, meta) -> (y, arena)
-    conv_write(arena, layout, f, channels, x, window, meta) -> arena
+    conv_update(arena, x, weight, rows, active_row, track_row, *, window_shape, channels,
+                sink_rows) -> (y, arena)
+    conv_write(arena, x, window, rows, active_row, track_row, *, window_shape, channels,
+               sink_rows) -> arena
 
 Both update the arena in place (`input_output_aliases`; donate the arena to the enclosing
 jit), have a `jax.custom_vjp` whose backward is the reference's VJP, and run on CPU with
@@ -12,9 +14,9 @@ jit), have a `jax.custom_vjp` whose backward is the reference's VJP, and run on 
 
 Addressing. The arena `[U, E]` is viewed as `[U * E / g, g]` for a power-of-two granule g
 that divides E, the field width C, the stream offset c0 and the stream width W. Window row
-r, channel c of physical slot s is then granule row
+r, channel c of the field starting at arena row `row` is then granule row
 
-    s * slot_units * E/g + f.unit_offset * E/g + (r * C + c0) / g + (c - c0) / g
+    row * E/g + (r * C + c0) / g + (c - c0) / g
 
 so a program loads a contiguous `[nb, g]` block (nb * g channels, a power of two) with
 int32 row indices, also where a window row straddles a unit boundary. Offsets are 64-bit in
@@ -26,7 +28,7 @@ index token_offset[t] (jnp gather rules: a negative index wraps, then indices cl
 windows written are rows n .. n+K-2 of the padded inputs (NaN past its end, as the
 reference's take_along_axis "fill" mode gives), cast to the window's then the arena's dtype.
 The fp32 accumulation is the reference's: acc = fma(tap_i, w_i, acc) from zero, i = 0..K-1,
-then x + acc (see `_common.conv_combine`).
+then x + acc (see `conv_combine`).
 
 Work split (one flat grid of max(T, B) programs x channel blocks):
 
@@ -42,8 +44,9 @@ separate dispatch. Extend (and any other T, B, Q) uses the same kernel.
 
 Deviations from the reference, all confined to state that never matters:
 
-* the sink (physical slot 0) is never written: writes aimed at it (padded rows, rows that
-  do not checkpoint) are skipped, and its contents are left as they were. The reference
+* the sink (arena rows below `sink_rows`: physical slot 0) is never written: writes aimed at
+  it (padded rows, rows that do not checkpoint) are skipped, and its contents are left as
+  they were. The reference
   writes it, in an unspecified order where several rows aim at it.
 * only the stream's channel range [c0, c1) of a field is written; the reference rewrites the
   whole field and so also zeroes the field's padding tail in the last unit. That tail is
@@ -52,17 +55,17 @@ Deviations from the reference, all confined to state that never matters:
 
 Preconditions (true for every batch the step builds; the kernel does not check them):
 
-* physical slots written in one call (active slots of rows with commit_len != 0, nonzero
-  checkpoint slots) are pairwise distinct and are not another row's active slot;
+* fields written in one call (active fields of rows with commit_len != 0, checkpoint fields
+  outside the sink) are pairwise distinct and are not another row's active field;
 * a token that is not its row's j-th new token for j < K-1 reads no window of a row whose
   window is written in the same call: padding tokens point at padded rows (sink slot), as
-  steps.py packs them, or have token_offset >= K-1. (A padding token aimed at a real row
+  the library packs them, or have token_offset >= K-1. (A padding token aimed at a real row
   with token_offset < K-1 would race with that row's window write: its y, which nothing
   reads, could differ from the reference's.)
 
-Fallback to the reference (never a silently different result): K < 2, a field that is not
-`[K-1, C]`, a stream width other than c1 - c0, empty batches, or an arena whose granule row
-count reaches 2^31 (more than 2^31 * g elements).
+Fallback to the reference (never a silently different result): K < 2, a window shape that
+is not `[K-1, C]`, a stream width other than c1 - c0, empty batches, or an arena whose
+granule row count reaches 2^31 (more than 2^31 * g elements).
 """
 
 from __future__ import annotations
@@ -76,11 +79,36 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 from jaxtyping import Array, Float
 
-from inkling_jax.cache import conv_state as ref
-from inkling_jax.cache.conv_state import ConvMeta
-from inkling_jax.cache.layout import ArenaLayout, Field
+from .._common import INT32_MAX, pallas_call, pow2_factor, pow2_floor, with_ref_vjp
+from . import ref
+from .ref import PackedRows, conv_from_taps
 
-from ._common import INT32_MAX, conv_combine, pallas_call, pow2_factor, pow2_floor, with_ref_vjp
+
+def _fma_f32_gpu(a: jax.Array, b: jax.Array, c: jax.Array) -> jax.Array:
+    """round(a * b + c), one rounding (PTX fma.rn.f32), elementwise on f32 blocks."""
+    (out,) = plt.elementwise_inline_asm("fma.rn.f32 $0, $1, $2, $3;", args=[a, b, c], constraints="=r,r,r,r",
+                                        pack=1, result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, jnp.float32)])
+    return out
+
+
+def conv_combine(x_tok: jax.Array, taps: list[jax.Array], weights: list[jax.Array], interpret: bool) -> jax.Array:
+    """y = x + sum_i w[i] * tap[i] in fp32, cast to x's dtype: `conv_from_taps` for one token block.
+
+    Bit-exactness: XLA (CPU) evaluates the reference's einsum as a forward chain of fused
+    multiply-adds from zero, acc = fma(tap_i, w_i, acc). On GPU the kernel issues exactly that
+    chain (`fma.rn.f32`, so it does not depend on Triton's contraction settings); in interpret
+    mode it calls the reference's own einsum (`ref.conv_from_taps`) on the block, which XLA
+    lowers the same way."""
+    if interpret:
+        shape = x_tok.shape
+        flat = lambda a: a.reshape(-1)
+        y = conv_from_taps(flat(x_tok), jnp.stack([flat(t) for t in taps]), jnp.stack([flat(w) for w in weights]))
+        return y.reshape(shape)
+    acc = jnp.zeros(x_tok.shape, jnp.float32)
+    for tap, w in zip(taps, weights):
+        acc = _fma_f32_gpu(tap.astype(jnp.float32), w.astype(jnp.float32), acc)
+    return (x_tok.astype(jnp.float32) + acc).astype(x_tok.dtype)
+
 
 MAX_BLOCK = 1024  # channels per program at most
 MIN_BLOCK = 256  # channels per program at least (when the stream is that wide)
@@ -99,8 +127,8 @@ class ConvPlan:
     nblocks: int  # channel blocks per stream
     row_stride: int  # C / g: granules between consecutive window rows
     chan0: int  # c0 / g
-    field0: int  # f.unit_offset * E / g
-    slot_stride: int  # slot_units * E / g
+    unit_stride: int  # E / g: granules per arena row
+    sink_rows: int  # arena rows below this belong to the sink: never written
     num_warps: int
 
     @property
@@ -108,18 +136,19 @@ class ConvPlan:
         return self.nb * self.granule
 
 
-def conv_plan(arena_shape: tuple[int, ...], layout: ArenaLayout, f: Field, channels: tuple[int, int], width: int,
-              k: int, programs: int, block: int | None = None, num_warps: int | None = None) -> ConvPlan | None:
+def conv_plan(arena_shape: tuple[int, ...], window_shape: tuple[int, ...], channels: tuple[int, int], width: int,
+              k: int, programs: int, sink_rows: int = 0, block: int | None = None,
+              num_warps: int | None = None) -> ConvPlan | None:
     """The kernel's addressing for this stream, or None when the config needs the reference.
 
     `block` (channels per program, a power of two dividing the width) and `num_warps`
     override the defaults below (bench/kernels.py --sweep tries them)."""
-    if len(arena_shape) != 2 or len(f.shape) != 2:
+    if len(arena_shape) != 2 or len(window_shape) != 2:
         return None
     num_units, e = arena_shape
-    km1, c = f.shape
+    km1, c = window_shape
     c0, c1 = channels
-    if e != layout.unit_elems or k < 2 or km1 != k - 1 or width != c1 - c0 or not 0 <= c0 < c1 <= c:
+    if k < 2 or km1 != k - 1 or width != c1 - c0 or not 0 <= c0 < c1 <= c:
         return None
     if programs <= 0:
         return None
@@ -132,8 +161,7 @@ def conv_plan(arena_shape: tuple[int, ...], layout: ArenaLayout, f: Field, chann
     if num_units * (e // g) > INT32_MAX:
         return None
     return ConvPlan(km1=km1, granule=g, nb=block // g, nblocks=width // block, row_stride=c // g, chan0=c0 // g,
-                    field0=f.unit_offset * e // g, slot_stride=layout.slot_units * e // g,
-                    num_warps=num_warps or max(1, min(8, block // 256)))
+                    unit_stride=e // g, sink_rows=sink_rows, num_warps=num_warps or max(1, min(8, block // 256)))
 
 
 def _masked_load(view, cond, shape, dtype):
@@ -201,7 +229,7 @@ def _update_kernel(plan: ConvPlan, num_tokens: int, num_rows: int, q: int, k: in
     # one token per program: a guess saves no load there, and measured slower on the H200)
     span = tile + km1 if tile > 1 else 0
 
-    def kernel(tok_row, tok_off, row_tok, has_state, commit, active, t_dest, t_len, x_ref, w_ref, arena_in,
+    def kernel(tok_row, tok_off, row_tok, has_state, commit, t_len, active, t_dest, x_ref, w_ref, arena_in,
                y_ref, arena_out):
         p, cb = _split_pid(plan)
         cblk = pl.ds(cb * nb, nb)
@@ -209,14 +237,14 @@ def _update_kernel(plan: ConvPlan, num_tokens: int, num_rows: int, q: int, k: in
         def x_at(t):  # x[t] for an index already in [0, T)
             return x_ref[t, cblk, :]
 
-        def slot_base(slot):
-            return slot * plan.slot_stride + plan.field0 + plan.chan0 + cb * nb
+        def field_base(row):
+            return row * plan.unit_stride + plan.chan0 + cb * nb
 
         # The token part's loads that depend on no other load are issued here, before the
         # row part (inside the token branch they would wait behind the row part's stores):
         # per token its scalars, in two dependent rounds (by token, then by the token's row),
         # and with tiles of several tokens the x rows t0-K+1 .. t0+tile-1 by guess: where a
-        # row's tokens are packed in order (as steps.py packs them) those are the tile's taps,
+        # row's tokens are packed in order (as the library packs them) those are the tile's taps,
         # so each x row and the weights are read once per program rather than once per tap and
         # token. A tap whose row_tokens entry names another x row reloads it (masked: no
         # traffic when the guess was right). Indices are clamped into range; a token past T
@@ -241,7 +269,7 @@ def _update_kernel(plan: ConvPlan, num_tokens: int, num_rows: int, q: int, k: in
             b = p
             slot, hs, n, dest, dest_len = active[b], has_state[b] != 0, commit[b], t_dest[b], t_len[b]
             own_tok = [_index(row_tok[b, j], num_tokens) for j in range(row_owned)]
-            base = slot_base(slot)
+            base = field_base(slot)
             old = [_masked_load(arena_in.at[pl.ds(base + r * plan.row_stride, nb), :], hs, blk, arena_dtype)
                    for r in range(km1)]
             old_x = [o.astype(x_dtype) for o in old]
@@ -263,14 +291,14 @@ def _update_kernel(plan: ConvPlan, num_tokens: int, num_rows: int, q: int, k: in
                     taps = [old_x[j + i] if j + i < km1 else x_of(j + i - km1) for i in range(k)]
                     y_ref[tj_, cblk, :] = conv_combine(new_x[j], taps, w, interpret)
 
-            @pl.when((n != 0) & (slot != 0))
+            @pl.when((n != 0) & (slot >= plan.sink_rows))
             def _():
                 _store_window(plan, arena_out, base,
                               _window_after(plan, old_x, x_of, n, q, x_dtype, arena_dtype, arena_dtype))
 
-            @pl.when(dest != 0)
+            @pl.when(dest >= plan.sink_rows)
             def _():
-                _store_window(plan, arena_out, slot_base(dest),
+                _store_window(plan, arena_out, field_base(dest),
                               _window_after(plan, old_x, x_of, dest_len, q, x_dtype, arena_dtype, arena_dtype))
 
         @_when(token_programs >= num_rows, p < token_programs)
@@ -296,7 +324,7 @@ def _update_kernel(plan: ConvPlan, num_tokens: int, num_rows: int, q: int, k: in
 
                 @pl.when(keep)
                 def _(u=u, t=t, tb=tb, tj=tj, x_idx=x_idx, hs_t=hs_t, slot_t=slot_t):
-                    base = slot_base(slot_t)
+                    base = field_base(slot_t)
                     taps = []
                     for i in range(k):
                         m = tj + i  # row of the padded inputs [old window ++ new tokens]
@@ -311,10 +339,10 @@ def _update_kernel(plan: ConvPlan, num_tokens: int, num_rows: int, q: int, k: in
     return kernel
 
 
-def _meta_arrays(meta: ConvMeta) -> list[Array]:
+def _index_arrays(rows: PackedRows, active_row, track_row) -> list[Array]:
     return [jnp.asarray(a).astype(jnp.int32) for a in (
-        meta.token_row, meta.token_offset, meta.row_tokens, meta.has_state, meta.commit_len, meta.active,
-        meta.track_dest, meta.track_len)]
+        rows.token_row, rows.token_offset, rows.row_tokens, rows.has_state, rows.commit_len, rows.track_len,
+        active_row, track_row)]
 
 
 def token_tile(num_tokens: int, num_rows: int, nblocks: int, num_warps: int, tile: int | None = None) -> int:
@@ -335,14 +363,15 @@ def token_tile(num_tokens: int, num_rows: int, nblocks: int, num_warps: int, til
     return max(1, min(MAX_TILE, pow2_floor(num_tokens * nblocks * num_warps // TILE_WARPS)))
 
 
-def _update_pallas(plan: ConvPlan, arena, x, weight, meta: ConvMeta, interpret: bool, tile: int):
+def _update_pallas(plan: ConvPlan, arena, x, weight, rows: PackedRows, active_row, track_row, interpret: bool,
+                   tile: int):
     num_tokens, width = x.shape
-    num_rows, q = meta.row_tokens.shape
+    num_rows, q = rows.row_tokens.shape
     k = weight.shape[0]
     g = plan.granule
     programs = max(-(-num_tokens // tile), num_rows) * plan.nblocks
     arena2 = arena.reshape(-1, g)
-    args = _meta_arrays(meta) + [x.reshape(num_tokens, width // g, g), weight.reshape(k, width // g, g), arena2]
+    args = _index_arrays(rows, active_row, track_row) + [x.reshape(num_tokens, width // g, g), weight.reshape(k, width // g, g), arena2]
     y, arena2 = pallas_call(
         _update_kernel(plan, num_tokens, num_rows, q, k, tile, x.dtype, arena.dtype, interpret),
         out_shape=(jax.ShapeDtypeStruct((num_tokens, width // g, g), x.dtype),
@@ -352,26 +381,28 @@ def _update_pallas(plan: ConvPlan, arena, x, weight, meta: ConvMeta, interpret: 
     return y.reshape(num_tokens, width), arena2.reshape(arena.shape)
 
 
-def conv_update(arena: Array, layout: ArenaLayout, f: Field, channels: tuple[int, int], x: Float[Array, "t c"],
-                weight: Float[Array, "k c"], meta: ConvMeta, *, interpret: bool = False, block: int | None = None,
-                num_warps: int | None = None, tile: int | None = None) -> tuple[Float[Array, "t c"], Array]:
+def conv_update(arena: Array, x: Float[Array, "t c"], weight: Float[Array, "k c"], rows: PackedRows,
+                active_row: Array, track_row: Array, *, window_shape: tuple[int, int], channels: tuple[int, int],
+                sink_rows: int = 0, interpret: bool = False, block: int | None = None, num_warps: int | None = None,
+                tile: int | None = None) -> tuple[Float[Array, "t c"], Array]:
     """Fused conv + active / checkpoint window writes for one stream (extend and decode).
 
-    Same contract and result as `inkling_jax.cache.conv_state.conv_update` (see the module
-    docstring for the sink and padding-tail deviations and the preconditions). `block`,
-    `num_warps` and `tile` (tokens per extend program, see `token_tile`) override the
-    defaults."""
+    Same contract and result as `ref.conv_update` (see the module docstring for the sink and
+    padding-tail deviations and the preconditions). `block`, `num_warps` and `tile` (tokens
+    per extend program, see `token_tile`) override the defaults."""
     num_tokens = x.shape[0]
-    num_rows, q = meta.row_tokens.shape
+    num_rows, q = rows.row_tokens.shape
     ok_shapes = x.ndim == 2 and weight.ndim == 2 and weight.shape[1] == x.shape[1] and q > 0
-    plan = conv_plan(arena.shape, layout, f, channels, x.shape[1], weight.shape[0],
-                     max(num_tokens, num_rows) if num_tokens and num_rows else 0, block, num_warps) if ok_shapes else None
-    ref_fn = lambda a, xx, w, m: ref.conv_update(a, layout, f, channels, xx, w, m)
+    programs = max(num_tokens, num_rows) if num_tokens and num_rows else 0
+    plan = conv_plan(arena.shape, window_shape, channels, x.shape[1], weight.shape[0], programs, sink_rows, block,
+                     num_warps) if ok_shapes else None
+    ref_fn = lambda a, xx, w, r, ar, tr: ref.conv_update(a, xx, w, r, ar, tr, window_shape=window_shape,
+                                                         channels=channels)
     if plan is None:
-        return ref_fn(arena, x, weight, meta)
+        return ref_fn(arena, x, weight, rows, active_row, track_row)
     tokens_per_program = token_tile(num_tokens, num_rows, plan.nblocks, plan.num_warps, tile)
-    kernel_fn = lambda a, xx, w, m: _update_pallas(plan, a, xx, w, m, interpret, tokens_per_program)
-    return with_ref_vjp(kernel_fn, ref_fn)(arena, x, weight, meta)
+    kernel_fn = lambda a, xx, w, r, ar, tr: _update_pallas(plan, a, xx, w, r, ar, tr, interpret, tokens_per_program)
+    return with_ref_vjp(kernel_fn, ref_fn)(arena, x, weight, rows, active_row, track_row)
 
 
 # ------------------------------------------------------------------------------ conv_write
@@ -381,7 +412,7 @@ def _write_kernel(plan: ConvPlan, num_tokens: int, q: int, x_dtype, win_dtype, a
     km1, nb, g = plan.km1, plan.nb, plan.granule
     blk = (nb, g)
 
-    def kernel(row_tok, has_state, commit, active, t_dest, t_len, x_ref, win_ref, arena_in, arena_out):
+    def kernel(row_tok, has_state, commit, t_len, active, t_dest, x_ref, win_ref, arena_in, arena_out):
         del arena_in  # aliased to arena_out; only written
         b, cb = _split_pid(plan)
         cblk = pl.ds(cb * nb, nb)
@@ -389,35 +420,35 @@ def _write_kernel(plan: ConvPlan, num_tokens: int, q: int, x_dtype, win_dtype, a
         def x_of(j):  # x[row_tokens[b, j]]
             return x_ref[_index(row_tok[b, j], num_tokens), cblk, :]
 
-        def slot_base(slot):
-            return slot * plan.slot_stride + plan.field0 + plan.chan0 + cb * nb
+        def field_base(row):
+            return row * plan.unit_stride + plan.chan0 + cb * nb
 
         hs = has_state[b] != 0
         old_x = [_masked_load(win_ref.at[b * km1 + r, cblk, :], hs, blk, win_dtype).astype(x_dtype) for r in range(km1)]
         slot = active[b]
         n = commit[b]
 
-        @pl.when((n != 0) & (slot != 0))
+        @pl.when((n != 0) & (slot >= plan.sink_rows))
         def _():
-            _store_window(plan, arena_out, slot_base(slot),
+            _store_window(plan, arena_out, field_base(slot),
                           _window_after(plan, old_x, x_of, n, q, x_dtype, win_dtype, arena_dtype))
 
         dest = t_dest[b]
 
-        @pl.when(dest != 0)
+        @pl.when(dest >= plan.sink_rows)
         def _():
-            _store_window(plan, arena_out, slot_base(dest),
+            _store_window(plan, arena_out, field_base(dest),
                           _window_after(plan, old_x, x_of, t_len[b], q, x_dtype, win_dtype, arena_dtype))
 
     return kernel
 
 
-def _write_pallas(plan: ConvPlan, arena, x, window, meta: ConvMeta, interpret: bool):
+def _write_pallas(plan: ConvPlan, arena, x, window, rows: PackedRows, active_row, track_row, interpret: bool):
     num_tokens, width = x.shape
-    num_rows, q = meta.row_tokens.shape
+    num_rows, q = rows.row_tokens.shape
     g = plan.granule
     arena2 = arena.reshape(-1, g)
-    args = _meta_arrays(meta)[2:] + [x.reshape(num_tokens, width // g, g),
+    args = _index_arrays(rows, active_row, track_row)[2:] + [x.reshape(num_tokens, width // g, g),
                                      window.reshape(num_rows * plan.km1, width // g, g), arena2]
     arena2 = pallas_call(
         _write_kernel(plan, num_tokens, q, x.dtype, window.dtype, arena.dtype),
@@ -427,22 +458,23 @@ def _write_pallas(plan: ConvPlan, arena, x, window, meta: ConvMeta, interpret: b
     return arena2.reshape(arena.shape)
 
 
-def conv_write(arena: Array, layout: ArenaLayout, f: Field, channels: tuple[int, int], x: Float[Array, "t c"],
-               window: Float[Array, "b km1 c"], meta: ConvMeta, *, interpret: bool = False, block: int | None = None,
+def conv_write(arena: Array, x: Float[Array, "t c"], window: Float[Array, "b km1 c"], rows: PackedRows,
+               active_row: Array, track_row: Array, *, window_shape: tuple[int, int], channels: tuple[int, int],
+               sink_rows: int = 0, interpret: bool = False, block: int | None = None,
                num_warps: int | None = None) -> Array:
     """Write the active (commit_len != 0) and checkpoint windows of one stream.
 
-    Same contract and result as `inkling_jax.cache.conv_state.conv_write`; `window` is the
-    stream's old window (any float dtype; the reference's casts are mirrored). Reads nothing
-    from the arena."""
+    Same contract and result as `ref.conv_write`; `window` is the stream's old window (any
+    float dtype; the reference's casts are mirrored). Reads nothing from the arena."""
     num_tokens = x.shape[0]
     num_rows = window.shape[0]
-    ok_shapes = (x.ndim == 2 and window.ndim == 3 and window.shape[1:] == (f.shape[0], x.shape[1])
-                 and meta.row_tokens.shape[0] == num_rows and meta.row_tokens.shape[1] > 0)
-    plan = conv_plan(arena.shape, layout, f, channels, x.shape[1], window.shape[1] + 1,
-                     num_rows if num_tokens and num_rows else 0, block, num_warps) if ok_shapes else None
-    ref_fn = lambda a, xx, w, m: ref.conv_write(a, layout, f, channels, xx, w, m)
+    ok_shapes = (x.ndim == 2 and window.ndim == 3 and window.shape[1:] == (window_shape[0], x.shape[1])
+                 and rows.row_tokens.shape[0] == num_rows and rows.row_tokens.shape[1] > 0)
+    plan = conv_plan(arena.shape, window_shape, channels, x.shape[1], window.shape[1] + 1,
+                     num_rows if num_tokens and num_rows else 0, sink_rows, block, num_warps) if ok_shapes else None
+    ref_fn = lambda a, xx, w, r, ar, tr: ref.conv_write(a, xx, w, r, ar, tr, window_shape=window_shape,
+                                                        channels=channels)
     if plan is None:
-        return ref_fn(arena, x, window, meta)
-    kernel_fn = lambda a, xx, w, m: _write_pallas(plan, a, xx, w, m, interpret)
-    return with_ref_vjp(kernel_fn, ref_fn)(arena, x, window, meta)
+        return ref_fn(arena, x, window, rows, active_row, track_row)
+    kernel_fn = lambda a, xx, w, r, ar, tr: _write_pallas(plan, a, xx, w, r, ar, tr, interpret)
+    return with_ref_vjp(kernel_fn, ref_fn)(arena, x, window, rows, active_row, track_row)

@@ -4,12 +4,11 @@
         x [m, h] (bf16 or fp32), idx [m] int32 expert ids in [0, E), w [E, h, F] (any float
         dtype, cast to x's dtype as the reference does), y [m, F] float32
     moe_experts(x, idx, weight, w13, w2) -> [n, h] in x's dtype
-        `inkling_jax.model.layers.moe_experts_slices`' signature and semantics (x [n, h],
-        idx / weight [n, k], w13 [E, h, 2f] gate | up halves, w2 [E, f, h])
+        `ref.moe_experts`' signature and semantics (x [n, h], idx / weight [n, k],
+        w13 [E, h, 2f] gate | up halves, w2 [E, f, h])
 
-Both take `interpret` (CPU tests: `interpret=True`), and `moe_experts` has a
-`jax.custom_vjp` whose backward is `moe_experts_slices`' VJP (`grouped_matvec`'s is the
-einsum reference's).
+Both take `interpret` (CPU tests: `interpret=True`), and each has a `jax.custom_vjp` whose
+backward is its reference's VJP (`ref.py`).
 
 Why. With batch 1-4 every expert product is a matrix-vector product: the time is reading the
 selected experts' weights from HBM once, nothing else. XLA's GPU code for these gemvs (one
@@ -41,7 +40,7 @@ Shapes. tf and bh are powers of two (Triton's block shapes must be): the kernel 
 tf' = min(tf, largest power of two dividing F) and bh' = min(bh, largest power of two
 dividing h). Where tf' or bh' would fall below `MIN_TILE` (F or h with a small power-of-two
 factor), or for empty / malformed inputs, the functions fall back to the references
-(`_grouped_matvec_ref`, `moe_experts_slices`); there is no masking.
+(`ref.grouped_matvec`, `ref.moe_experts`); there is no masking.
 
 `moe_experts` flattens the choices to m = n * k rows (row t * k + j is token t, choice j; x
 repeated per choice) and computes gu = grouped_matvec(x_rep, idx, w13), act = (silu(gate) *
@@ -64,9 +63,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jaxtyping import Array, Float, Int
 
-from inkling_jax.model.layers import moe_experts_slices
-
-from ._common import pallas_call, pow2_factor, with_ref_vjp
+from .._common import pallas_call, pow2_factor, with_ref_vjp
+from . import ref
 
 TF = 128  # output columns per program
 BH = 64  # contracting rows per block of the loop
@@ -74,11 +72,6 @@ NUM_WARPS = 4
 TARGET_PROGRAMS = 512  # ~4 programs per SM on an H100 / H200 (132 SMs)
 MIN_TILE = 16  # tf' or bh' below this: the reference
 MAX_UNROLL = 8  # blocks per program unrolled in Python; a fori_loop past this
-
-
-def _grouped_matvec_ref(x: Array, idx: Array, w: Array) -> Array:
-    """y[i] = x[i] @ w[idx[i]] in x's dtype with fp32 accumulation (gathers the experts)."""
-    return jnp.einsum("mh,mhf->mf", x, w[idx].astype(x.dtype), preferred_element_type=jnp.float32)
 
 
 def _plan(m: int, h: int, f: int, tf: int, bh: int, splits: int | None,
@@ -149,11 +142,11 @@ def _grouped_matvec_fwd(x, idx, w, *, tf: int, bh: int, splits: int | None, num_
                         interpret: bool) -> Array:
     """grouped_matvec without its custom VJP: the kernel, or the reference where the shapes need it."""
     if x.ndim != 2 or w.ndim != 3 or idx.shape != x.shape[:1] or w.shape[1] != x.shape[1]:
-        return _grouped_matvec_ref(x, idx, w)
+        return ref.grouped_matvec(x, idx, w)
     m, h = x.shape
     plan = _plan(m, h, w.shape[2], tf, bh, splits, target_programs)
     if plan is None:
-        return _grouped_matvec_ref(x, idx, w)
+        return ref.grouped_matvec(x, idx, w)
     tf_, bh_, s = plan
     part = _partials(x, idx, w, tf_, bh_, s, num_warps, interpret)
     return part[:, 0] if s == 1 else jnp.sum(part, axis=1)
@@ -169,30 +162,19 @@ def grouped_matvec(x: Float[Array, "m h"], idx: Int[Array, "m"], w: Float[Array,
     `target_programs` programs). See the module docstring."""
     kw = dict(tf=tf, bh=bh, splits=splits, num_warps=num_warps, target_programs=target_programs, interpret=interpret)
     kernel_fn = lambda x, idx, w: _grouped_matvec_fwd(x, idx, w, **kw)
-    return with_ref_vjp(kernel_fn, _grouped_matvec_ref)(x, idx, w)
+    return with_ref_vjp(kernel_fn, ref.grouped_matvec)(x, idx, w)
 
 
 def _moe_kernel(x, idx, weight, w13, w2, kw) -> Array:
-    n, k = idx.shape
-    m = n * k
-    flat = idx.reshape(m).astype(jnp.int32)
-    x_rep = jnp.repeat(x, k, axis=0)  # row t * k + j: token t, choice j
-    gu = _grouped_matvec_fwd(x_rep, flat, w13, **kw)  # moe_experts' own VJP covers both products
-    half = gu.shape[-1] // 2
-    act = (jax.nn.silu(gu[:, :half]) * gu[:, half:]).astype(x.dtype)
-    y = _grouped_matvec_fwd(act, flat, w2, **kw).astype(x.dtype).astype(jnp.float32).reshape(n, k, -1)
-    wt = weight.astype(jnp.float32)
-    acc = jnp.zeros((n, y.shape[-1]), jnp.float32)
-    for j in range(k):  # the reference's order
-        acc = acc + wt[:, j:j + 1] * y[:, j]
-    return acc.astype(x.dtype)
+    # moe_experts' own VJP covers both products: the forward-only grouped mat-vec here
+    return ref.combine_choices(x, idx, weight, w13, w2, lambda xr, e, w: _grouped_matvec_fwd(xr, e, w, **kw))
 
 
 def moe_experts(x: Float[Array, "n h"], idx: Int[Array, "n k"], weight: Float[Array, "n k"], w13: Array,
                 w2: Array, *, tf: int = TF, bh: int = BH, splits: int | None = None,
                 num_warps: int = NUM_WARPS, target_programs: int = TARGET_PROGRAMS,
                 interpret: bool = False) -> Float[Array, "n h"]:
-    """`moe_experts_slices` (same signature and semantics) with both expert products in the
+    """`ref.moe_experts` (same signature and semantics) with both expert products in the
     grouped mat-vec kernel; backward: the reference's VJP. The tiling keywords apply to both
     products (each shrinks them to its own shape)."""
     n, k = idx.shape
@@ -208,9 +190,9 @@ def moe_experts(x: Float[Array, "n h"], idx: Int[Array, "n k"], weight: Float[Ar
         plans_ok = (_plan(n * k, h, two_f, **sizes) is not None
                     and _plan(n * k, two_f // 2, h, **sizes) is not None)
     if not plans_ok:
-        return moe_experts_slices(x, idx, weight, w13, w2)
+        return ref.moe_experts(x, idx, weight, w13, w2)
     kernel_fn = lambda x, idx, weight, w13, w2: _moe_kernel(x, idx, weight, w13, w2, kw)
-    return with_ref_vjp(kernel_fn, moe_experts_slices)(x, idx, weight, w13, w2)
+    return with_ref_vjp(kernel_fn, ref.moe_experts)(x, idx, weight, w13, w2)
 
 
 __all__ = ["grouped_matvec", "grid_for", "moe_experts"]

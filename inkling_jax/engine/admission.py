@@ -1,0 +1,164 @@
+"""Admission and eviction over the unit pool and the prefix tree (host policy, no device).
+
+A request is admitted when its slots (the state's slot, plus checkpoint slots) and the pages
+of its longest possible sequence fit, evicting least-recently-used tree entries when short;
+otherwise nothing it took is kept and it waits. Pages are *reserved* at admission and taken
+as the sequence grows, so a running request never runs out.
+
+Accounting closes at all times: every live slot and page is owned by exactly one of the
+prefix tree, a session, or a running request (`Engine.check_invariants`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from ..cache.pool import PoolExhausted, UnitPool
+from ..cache.prefix_tree import PrefixTree
+from .config import EngineConfig
+from .records import Request, Resources
+
+
+class Admission:
+    def __init__(self, config: EngineConfig, pool: UnitPool, tree: PrefixTree | None, stats: dict[str, Any]):
+        self.config, self.pool, self.tree, self.stats = config, pool, tree, stats
+        # the state's slot, plus its checkpoint slots (eager: both ping-pong slots at once)
+        tracks = (2 if config.ping_pong == "eager" else 1) if tree is not None else 0
+        self.slots_per_request = 1 + tracks
+        self.running: list[Request] = []
+
+    def pages_for(self, length: int) -> int:
+        return math.ceil(length / self.config.page_size)
+
+    def outstanding_reservations(self) -> int:
+        return sum(r.held.reserved_pages for r in self.running)
+
+    # ---------------------------------------------------------------- allocation
+
+    def try_alloc(self, slots: int, pages: int, reserve: int = 0) -> tuple[list[int], list[int]] | None:
+        """Allocate slots and pages (leaving `reserve` pages free for promises), evicting
+        from the tree when short. None, with nothing taken, when it cannot be done."""
+        need_pages = pages + reserve + self.outstanding_reservations()
+        if not self.pool.can_alloc(slots, need_pages) and self.tree is not None:
+            self.evict_for(slots, need_pages)
+        if not self.pool.can_alloc(slots, need_pages):
+            return None
+        got_s, got_p = [], []
+        try:
+            for _ in range(slots):
+                got_s.append(self.pool.alloc_slot())
+            for _ in range(pages):
+                got_p.append(self.pool.alloc_page())
+        except PoolExhausted:  # cannot happen after can_alloc; roll back exactly what was taken
+            for s in got_s:
+                self.pool.free_slot(s)
+            for p in got_p:
+                self.pool.free_page(p)
+            return None
+        return got_s, got_p
+
+    def evict_for(self, slots: int, pages: int) -> None:
+        """Evict LRU tree leaves until `slots` and `pages` fit (or nothing is left)."""
+        while not self.pool.can_alloc(slots, pages):
+            ev_pages, ev_slots = self.tree.evict(need_slots=1 if slots else 0, need_pages=1 if pages else 0)
+            if not ev_pages and not ev_slots:
+                return
+            self.free(ev_slots, ev_pages)
+            self.stats["evicted_pages"] += len(ev_pages)
+            self.stats["evicted_slots"] += len(ev_slots)
+
+    def evict_all(self) -> None:
+        """Drop every unlocked prefix-cache entry."""
+        if self.tree is not None:
+            pages, slots = self.tree.evict(need_slots=1 << 30, need_pages=1 << 30)
+            self.free(slots, pages)
+
+    def free(self, slots, pages) -> None:
+        for s in slots:
+            self.pool.free_slot(s)
+        for p in pages:
+            self.pool.free_page(p)
+
+    def release(self, held: Resources, keep_track: set[int] = frozenset()) -> None:
+        """Free what `held` owns (real slots but those in keep_track, its own pages) and unlock
+        its tree path."""
+        self.free([s for s in held.slots() if s not in keep_track], sorted(held.owned_pages))
+        if held.prefix_node is not None:
+            self.tree.unlock(held.prefix_node)
+
+    def grow_pages(self, held: Resources, length: int) -> None:
+        """Take reserved pages until the page table covers `length` positions."""
+        for _ in range(self.pages_for(length) - len(held.virtual_pages)):
+            if held.reserved_pages <= 0:
+                raise RuntimeError("request outgrew its page reservation")
+            page = self.pool.alloc_page()  # reserved at admission: cannot fail
+            held.reserved_pages -= 1
+            held.virtual_pages.append(page)
+            held.owned_pages.add(page)
+
+    # ----------------------------------------------------------------- admission
+
+    def final_length(self, r: Request) -> int:
+        return len(r.tokens) + r.sampling.max_new_tokens + self.config.spec_steps
+
+    def admit(self, r: Request) -> bool:
+        """Give r its slots, pages and prefix; False (nothing changed) if it must wait."""
+        sess = r.session
+        if sess is not None and sess.held is not None:
+            return self._admit_session_turn(r)
+        match = None
+        if self.tree is not None:
+            match = self.tree.match(r.tokens, max_depth=len(r.tokens) - 1)
+            if match.depth > 0:
+                self.tree.lock(match.node)
+        depth = match.depth if match else 0
+        n_slots = self.slots_per_request
+        total_pages = self.pages_for(self.final_length(r)) - depth // self.config.page_size
+        got = self.try_alloc(n_slots, 0, reserve=total_pages)
+        if got is None:
+            if depth > 0:
+                self.tree.unlock(match.node)
+            return False
+        slots = got[0]
+        held = Resources(virtual_slot=slots[0], reserved_pages=total_pages)
+        if self.tree is not None:
+            held.virtual_track_slots = slots[1:] + [-1] * (3 - n_slots)
+        if depth:
+            held.virtual_pages = list(match.pages)
+            held.prefix_node = match.node
+            held.committed = depth
+            r.virtual_cow_slot = match.node.checkpoint
+            r.cached = depth
+            self.stats["cache_hit_tokens"] += depth
+        r.held = held
+        return True
+
+    def _admit_session_turn(self, r: Request) -> bool:
+        """A session's next turn takes over the state its last turn left (plus any checkpoint
+        slots eager ping-pong needs back)."""
+        held = r.session.held
+        need_track = [i for i, s in enumerate(held.virtual_track_slots) if s == -1] \
+            if self.config.ping_pong == "eager" and self.tree is not None else []
+        total_pages = max(self.pages_for(self.final_length(r)) - len(held.virtual_pages), 0)
+        got = self.try_alloc(len(need_track), 0, reserve=total_pages)
+        if got is None:
+            return False
+        for i, s in zip(need_track, got[0]):
+            held.virtual_track_slots[i] = s
+        held.reserved_pages = total_pages
+        r.held, r.session.held = held, None
+        return True
+
+    def admit_waiting(self, waiting: list[Request]) -> None:
+        """Admit queued requests in order while rows are free (a request that must wait
+        holds up the ones behind it)."""
+        while waiting and len(self.running) < self.config.max_running:
+            r = waiting[0]
+            if not self.admit(r):
+                self.stats["deferred"] += 1
+                if not self.running:
+                    raise RuntimeError("a request cannot be admitted into an idle engine: pool too small")
+                return
+            waiting.pop(0)
+            self.running.append(r)

@@ -1,0 +1,179 @@
+"""Host policy of one step: what every running request adds, and what its outputs change.
+
+    plan = scheduler.plan()          # mode, each row's new tokens and checkpoint, RowPlans
+    ... the runner runs pack_batch(plan.rows) ...
+    scheduler.commit(plan, outputs)  # records, checkpoints, emitted tokens, finished requests
+
+Modes: `extend` while any running request has more than one pending token (prefill chunks;
+decoding rows ride along with one token), else `verify` with speculative decoding, else
+`decode`. A request's pending tokens are the ones not yet in the state: its prompt's rest,
+or the last sampled token.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from ..config import InklingConfig
+from ..steps import RowPlan
+from .admission import Admission
+from .checkpoints import CheckpointPolicy, Track
+from .config import EngineConfig
+from .records import Request
+
+DraftSource = Callable[[Request], list[int]]  # the drafts a verify step checks for a request
+
+
+@dataclass
+class HostOutputs:
+    """A step's outputs on the host (numpy)."""
+
+    tokens: np.ndarray  # [B]
+    logprobs: np.ndarray  # [B]
+    num_accepted: np.ndarray  # [B]
+    accepted_logprobs: np.ndarray  # [B, S]
+    drafts: np.ndarray  # [B, S]
+
+
+@dataclass
+class StepPlan:
+    mode: str
+    requests: list[Request]
+    new_tokens: list[int]  # per request: tokens this step adds (verify: 1 + spec_steps candidates)
+    tracks: list[Track | None]
+    rows: list[RowPlan] = field(default_factory=list)
+
+    @property
+    def max_pages(self) -> int:
+        return max(len(r.virtual_pages) for r in self.rows)
+
+
+class Scheduler:
+    def __init__(self, cfg: InklingConfig, config: EngineConfig, admission: Admission, checkpoints: CheckpointPolicy,
+                 stats: dict[str, Any]):
+        self.cfg, self.config, self.admission, self.checkpoints, self.stats = cfg, config, admission, checkpoints, stats
+        self.accepted_at_depth = [0] * config.spec_steps
+
+    @property
+    def running(self) -> list[Request]:
+        return self.admission.running
+
+    # ------------------------------------------------------------------ planning
+
+    def plan(self, drafts_for: DraftSource) -> StepPlan | None:
+        """The next step over every running request (None when nothing runs)."""
+        running = self.running
+        if not running:
+            return None
+        cfg, spec = self.config, self.config.spec_steps
+        prefill = any(r.pending > 1 for r in running)
+        mode = "extend" if prefill else ("verify" if spec else "decode")
+        if mode == "verify":
+            new_tokens = [spec + 1] * len(running)
+        else:
+            new_tokens, budget = [], cfg.max_step_tokens
+            for r in running:
+                n = max(min(r.pending, cfg.chunk_size, budget - (len(running) - len(new_tokens) - 1)), 1)
+                new_tokens.append(n)
+                budget -= n
+        for r, n in zip(running, new_tokens):
+            self.admission.grow_pages(r.held, r.committed + n)
+        tracks = [self.checkpoints.plan(r, n) for r, n in zip(running, new_tokens)]
+        plan = StepPlan(mode, list(running), new_tokens, tracks)
+        plan.rows = [self._row_plan(mode, r, n, t, drafts_for) for r, n, t in zip(running, new_tokens, tracks)]
+        return plan
+
+    def stop_ids(self, r: Request) -> list[int]:
+        eos = [self.cfg.eos_token_id] if r.sampling.stop_at_eos and self.cfg.eos_token_id is not None else []
+        return eos + list(r.sampling.stop_token_ids)
+
+    def _row_plan(self, mode: str, r: Request, n: int, track: Track | None, drafts_for: DraftSource) -> RowPlan:
+        held, spec = r.held, self.config.spec_steps
+        row = RowPlan(tokens=[], seq_start=held.committed, virtual_slot=held.virtual_slot,
+                      virtual_pages=held.virtual_pages, virtual_cow_slot=r.virtual_cow_slot,
+                      temperature=r.sampling.temperature, top_k=r.sampling.top_k, top_p=r.sampling.top_p,
+                      seed=r.seed, stop_ids=self.stop_ids(r)[:self.config.max_stop_ids])
+        if track is not None:
+            row.virtual_track_slot, row.track_len = held.virtual_track_slots[track[0]], track[1]
+        if mode == "verify":
+            row.tokens = [r.tokens[held.committed]] + list(drafts_for(r))
+            remaining = r.sampling.max_new_tokens - len(r.out_tokens)
+            row.max_accept = max(0, min(spec, remaining - 1))
+            row.sample_next = True
+        else:
+            end = held.committed + n
+            row.tokens = r.tokens[held.committed:end]
+            row.lookahead = r.tokens[end:end + spec + 1]
+            row.sample_next = end == len(r.tokens)
+        return row
+
+    # -------------------------------------------------------------------- commit
+
+    def commit(self, plan: StepPlan, out: HostOutputs) -> list[Request]:
+        """Apply a step's outputs to the records; returns the requests that finished."""
+        self.stats["steps"] += 1
+        self.stats[f"{plan.mode}_steps"] += 1
+        now = time.perf_counter()
+        for i, (r, n, track) in enumerate(zip(plan.requests, plan.new_tokens, plan.tracks)):
+            r.virtual_cow_slot = 0
+            if plan.mode == "verify":
+                self._commit_verify(r, plan.rows[i], track, out, i, now)
+                continue
+            r.held.committed += n
+            if track:
+                self.checkpoints.after(r, track)
+            if r.committed == len(r.tokens):  # the row reached the end: its sample is the next token
+                self.emit(r, int(out.tokens[i]), float(out.logprobs[i]), now)
+                if self.config.spec_steps:
+                    r.drafts = [int(t) for t in out.drafts[i]]
+        finished = [r for r in self.running if r.finish_reason is not None]
+        for r in finished:
+            self.finish(r)
+        return finished
+
+    def _commit_verify(self, r: Request, row: RowPlan, track: Track | None, out: HostOutputs, i: int,
+                       now: float) -> None:
+        a = int(out.num_accepted[i])
+        emitted = [int(t) for t in row.tokens[1:1 + a]] + [int(out.tokens[i])]
+        lps = [float(x) for x in out.accepted_logprobs[i, :a]] + [float(out.logprobs[i])]
+        r.held.committed += a + 1
+        for tok, lp in zip(emitted, lps):
+            self.emit(r, tok, lp, now)
+        r.accept_lengths.append(a)
+        self.stats["verify_rows"] += 1
+        self.stats["accepted_draft_tokens"] += a
+        for d in range(a):
+            self.accepted_at_depth[d] += 1
+        if track and a + 1 >= track[1]:
+            self.checkpoints.after(r, track)
+        r.drafts = [int(t) for t in out.drafts[i]]
+
+    def emit(self, r: Request, token: int, logprob: float, now: float) -> None:
+        r.tokens.append(token)  # the state's history, even past a stop (it is committed)
+        if r.finish_reason is not None:
+            return
+        if r.first_token_at is None:
+            r.first_token_at = now
+        r.out_tokens.append(token)
+        r.out_logprobs.append(logprob)
+        self.stats["generated_tokens"] += 1
+        if (r.sampling.stop_at_eos and token == self.cfg.eos_token_id) or token in r.sampling.stop_token_ids:
+            r.finish_reason = "stop"
+        elif len(r.out_tokens) >= r.sampling.max_new_tokens:
+            r.finish_reason = "length"
+
+    def finish(self, r: Request) -> None:
+        """A finished request leaves: its state goes to its session, or its newest
+        checkpoint to the tree and everything else back to the pool."""
+        self.running.remove(r)
+        held = r.held
+        held.reserved_pages = 0
+        if r.session is not None:
+            r.session.held, r.session.tokens, r.session.turn = held, r.tokens, None
+            return
+        kept = self.checkpoints.insert_at_finish(r)
+        self.admission.release(held, keep_track=kept)

@@ -1,0 +1,17 @@
+"""Jitted serving steps (the device side of one step; see `program.py` for the data flow).
+
+    batch.py     StepShape, StepBatch, RowPlan, pack_batch: what a step takes
+    context.py   RowMeta, StepContext: the layer context over the serving state
+    sampling.py  sampling and speculative acceptance
+    draft.py     the MTP draft phase
+    program.py   run_step / step_logits, compile_step
+"""
+
+from .batch import DEFAULT_MAX_STOP_IDS, MODES, RowPlan, StepBatch, StepShape, check_batch, pack_batch
+from .context import RowMeta, StepContext
+from .program import StepOutput, compile_lowered, compile_step, run_step, step_logits
+from .sampling import accept_drafts, sample_tokens
+
+__all__ = ["DEFAULT_MAX_STOP_IDS", "MODES", "RowMeta", "RowPlan", "StepBatch", "StepContext", "StepOutput",
+           "StepShape", "accept_drafts", "check_batch", "compile_lowered", "compile_step", "pack_batch", "run_step",
+           "sample_tokens", "step_logits"]

@@ -1,0 +1,170 @@
+"""What one compiled step takes: its static shape, and the padded batch of numpy arrays.
+
+`pack_batch` is the one place that lays request rows out as a `StepBatch` (the engine, the
+harness, the benchmarks and the tests all call it): rows in order, their new tokens packed
+back to back, every per-row array padded to the bucket's row count, padding tokens past
+every new-token index and conv tap of a padded row (never read), padded rows on the sink.
+
+Ids in a batch are virtual (`virtual_slot`, `virtual_pages`, ...); only the step translates
+them (`cache/state.py`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import jax
+import numpy as np
+from jaxtyping import Array, Bool, Float, Int
+
+MODES = ("extend", "decode", "verify")
+DEFAULT_MAX_STOP_IDS = 8  # stop-id columns of a batch unless the engine asks for more
+PAD_TOKEN_OFFSET = 64  # padding tokens sit this far past a row's last new-token index (and any conv tap)
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """Static shape of a compiled step: mode and bucket sizes."""
+
+    mode: str
+    batch: int  # B: request rows
+    tokens: int  # T: packed tokens
+    query: int  # Q: max new tokens of one row (verify: spec_steps + 1)
+    pages: int  # P: page-table columns (context up to P * page_size tokens)
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(f"unknown step mode {self.mode!r}")
+        if self.mode == "decode" and not (self.query == 1 and self.tokens == self.batch):
+            raise ValueError("decode steps have one token per row")
+        if self.mode == "verify" and self.tokens != self.batch * self.query:
+            raise ValueError("verify steps have spec_steps + 1 tokens per row")
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class StepBatch:
+    """One step's inputs (numpy on the host, device arrays inside the step). Ids are virtual.
+
+    T packed tokens, B rows, P page columns, S = spec_steps, NS stop-id columns."""
+
+    tokens: Int[Array, "t"]
+    token_row: Int[Array, "t"]  # request row of each packed token (padding: the last row)
+    token_offset: Int[Array, "t"]  # index among the row's new tokens (padding: >= Q + PAD_TOKEN_OFFSET)
+    virtual_slot: Int[Array, "b"]  # the row's slot (0: padded row -> sink)
+    has_state: Bool[Array, "b"]  # the slot holds state for positions < seq_start
+    seq_start: Int[Array, "b"]  # position of the row's first new token
+    num_new: Int[Array, "b"]  # new tokens this step (0: padded row); verify: 1 + spec_steps
+    query_start: Int[Array, "b"]  # packed index of the row's first new token
+    virtual_pages: Int[Array, "b p"]  # page ids covering positions [0, P * page_size)
+    virtual_track_slot: Int[Array, "b"]  # checkpoint slot (0 when none)
+    track_len: Int[Array, "b"]  # new tokens before the checkpoint position (0: none); verify: the
+    #                             candidate, written only if at least that many tokens commit
+    virtual_cow_slot: Int[Array, "b"]  # slot to restore into `virtual_slot` first (0: none)
+    temperature: Float[Array, "b"]
+    top_k: Int[Array, "b"]  # 0: off
+    top_p: Float[Array, "b"]  # 1: off
+    seed: Int[Array, "b"]  # per-request sampling seed (keys fold in the position)
+    lookahead: Int[Array, "b la"]  # known tokens after the row's new ones (t_e, t_e+1, ...), spec only
+    sample_next: Bool[Array, "b"]  # t_e is this step's sample (else lookahead[0]); spec only
+    max_accept: Int[Array, "b"]  # verify: accept at most this many drafts
+    stop_ids: Int[Array, "b ns"]  # verify: tokens that end the row's generation (-1: none)
+
+    @staticmethod
+    def empty(shape: StepShape, spec_steps: int = 0, max_stop_ids: int = DEFAULT_MAX_STOP_IDS) -> "StepBatch":
+        """An all-padding batch of `shape` (numpy), to fill in place or with dataclasses.replace."""
+        b, t, p = shape.batch, shape.tokens, shape.pages
+        i32 = lambda *n: np.zeros(n, np.int32)
+        return StepBatch(tokens=i32(t), token_row=np.full(t, b - 1, np.int32),
+                         token_offset=np.full(t, shape.query + PAD_TOKEN_OFFSET, np.int32), virtual_slot=i32(b),
+                         has_state=np.zeros(b, bool), seq_start=i32(b), num_new=i32(b), query_start=i32(b),
+                         virtual_pages=i32(b, p), virtual_track_slot=i32(b), track_len=i32(b),
+                         virtual_cow_slot=i32(b), temperature=np.zeros(b, np.float32), top_k=i32(b),
+                         top_p=np.ones(b, np.float32), seed=i32(b), lookahead=i32(b, spec_steps + 1),
+                         sample_next=np.zeros(b, bool), max_accept=i32(b),
+                         stop_ids=np.full((b, max_stop_ids), -1, np.int32))
+
+
+def check_batch(batch: StepBatch, shape: StepShape, spec_steps: int = 0,
+                max_stop_ids: int = DEFAULT_MAX_STOP_IDS) -> None:
+    """Raise ValueError naming the first field whose shape does not fit the compiled bucket
+    (before anything is donated, so the state is untouched)."""
+    want = {"tokens": (shape.tokens,), "token_row": (shape.tokens,), "token_offset": (shape.tokens,),
+            "virtual_pages": (shape.batch, shape.pages), "lookahead": (shape.batch, spec_steps + 1),
+            "stop_ids": (shape.batch, max_stop_ids)}
+    for name in StepBatch.__dataclass_fields__:
+        got = tuple(getattr(batch, name).shape)
+        expected = want.get(name, (shape.batch,))
+        if got != expected:
+            raise ValueError(f"StepBatch.{name} has shape {got}; the compiled {shape.mode} bucket takes {expected} "
+                             f"(batch {shape.batch}, tokens {shape.tokens}, pages {shape.pages})")
+
+
+@dataclass
+class RowPlan:
+    """One request row of a step in host terms (virtual ids). `pack_batch` lays it out."""
+
+    tokens: Sequence[int]  # the row's new tokens (verify: the last committed-to-be token, then the drafts)
+    seq_start: int  # position of tokens[0]
+    virtual_slot: int
+    virtual_pages: Sequence[int]  # page table covering at least [0, seq_start + len(tokens))
+    has_state: bool | None = None  # default: seq_start > 0
+    virtual_track_slot: int = 0  # checkpoint slot (0: none)
+    track_len: int = 0  # new tokens before the checkpoint position
+    virtual_cow_slot: int = 0  # restore this slot into virtual_slot first (prefix hit)
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    lookahead: Sequence[int] = ()  # spec: known tokens after the new ones
+    sample_next: bool = True  # spec: the token after the new ones is this step's sample
+    max_accept: int = 0  # verify: most drafts to accept
+    stop_ids: Sequence[int] = field(default_factory=tuple)  # verify: tokens that end the generation
+
+
+def pack_batch(shape: StepShape, rows: Sequence[RowPlan], spec_steps: int = 0,
+               max_stop_ids: int = DEFAULT_MAX_STOP_IDS) -> StepBatch:
+    """Lay `rows` out as a padded StepBatch of `shape` (numpy; see the module docstring).
+
+    Raises ValueError when the rows do not fit the shape (too many rows, tokens, pages or
+    stop ids, or a row with more new tokens than Q)."""
+    if len(rows) > shape.batch:
+        raise ValueError(f"{len(rows)} rows do not fit a batch of {shape.batch}")
+    total = sum(len(r.tokens) for r in rows)
+    if total > shape.tokens:
+        raise ValueError(f"{total} new tokens do not fit a step of {shape.tokens}")
+    b = StepBatch.empty(shape, spec_steps, max_stop_ids)
+    pos = 0
+    for i, r in enumerate(rows):
+        n = len(r.tokens)
+        if n > shape.query:
+            raise ValueError(f"row {i} has {n} new tokens; the step takes at most {shape.query} per row")
+        if len(r.virtual_pages) > shape.pages:
+            raise ValueError(f"row {i} needs {len(r.virtual_pages)} pages; the step holds {shape.pages} per row")
+        if len(r.stop_ids) > max_stop_ids:
+            raise ValueError(f"row {i} has {len(r.stop_ids)} stop ids; the step holds {max_stop_ids}")
+        if len(r.lookahead) > spec_steps + 1:
+            raise ValueError(f"row {i} has {len(r.lookahead)} lookahead tokens; the step holds {spec_steps + 1}")
+        b.tokens[pos:pos + n] = r.tokens
+        b.token_row[pos:pos + n] = i
+        b.token_offset[pos:pos + n] = np.arange(n)
+        b.virtual_slot[i] = r.virtual_slot
+        b.has_state[i] = r.seq_start > 0 if r.has_state is None else r.has_state
+        b.seq_start[i] = r.seq_start
+        b.num_new[i] = n
+        b.query_start[i] = pos
+        b.virtual_pages[i, :len(r.virtual_pages)] = r.virtual_pages
+        b.virtual_track_slot[i] = r.virtual_track_slot
+        b.track_len[i] = r.track_len
+        b.virtual_cow_slot[i] = r.virtual_cow_slot
+        b.temperature[i] = r.temperature
+        b.top_k[i] = r.top_k
+        b.top_p[i] = r.top_p
+        b.seed[i] = r.seed
+        b.lookahead[i, :len(r.lookahead)] = r.lookahead
+        b.sample_next[i] = r.sample_next
+        b.max_accept[i] = r.max_accept
+        b.stop_ids[i, :len(r.stop_ids)] = r.stop_ids
+        pos += n
+    return b

@@ -1,0 +1,198 @@
+"""The layer context of the serving steps: packed ragged tokens against the serving state.
+
+`StepContext` implements `model.layers.LayerContext` (`conv`, `attend`) over one pass of
+rows (the target, or one MTP depth): each layer reads the *old* state (conv windows, sliding
+K/V rings, full-attention pages) and writes the new one into the arena it carries. Ids here
+are physical (translated once by the step); arena rows come from `cache/layout.py`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Int
+from pallas_kernels.conv_state import ref as conv_ref
+from pallas_kernels.conv_state.ref import PackedRows
+
+from ..cache.layout import ArenaLayout, LayerSlotFields
+from ..cache.state import read_slot_field, write_slot_field
+from ..config import AttentionGeometry, InklingConfig
+from ..model import layers as L
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class RowMeta:
+    """The rows of one pass (the target, or one MTP depth) over packed tokens; physical ids.
+
+    `rows` (token layout, commit and checkpoint lengths) is handed to the conv kernels as is."""
+
+    rows: PackedRows
+    seq_start: Int[Array, "b"]  # position of each row's new-token index 0
+    num_new: Int[Array, "b"]  # valid tokens (queries, K/V writes)
+    physical_slot: Int[Array, "b"]  # the row's slot (the sink for padded rows)
+    physical_track_slot: Int[Array, "b"]  # checkpoint slot (the sink when the row does not checkpoint)
+
+
+class StepContext:
+    """LayerContext for packed ragged tokens against the serving state (see layers.py).
+
+    Holds the arena being updated (functionally) while the layers are traced. With
+    `deferred`, slot writes (conv windows, sliding rings) are queued and applied by
+    `commit(meta)` once the commit and checkpoint lengths are known (speculative verify)."""
+
+    def __init__(self, cfg: InklingConfig, layout: ArenaLayout, ops: Any, arena: Array, meta: RowMeta,
+                 physical_pages: Array, deferred: bool = False):
+        self.cfg, self.layout, self.ops = cfg, layout, ops
+        self.arena = arena
+        self.meta = meta
+        self.physical_pages = physical_pages  # [B, P]
+        self.deferred = deferred
+        self.pending: list[Callable[[Array, RowMeta], Array]] = []
+        rows = meta.rows
+        self.positions = meta.seq_start[rows.token_row] + rows.token_offset  # [T]
+        self.fields: LayerSlotFields | None = None
+        self.page_layer: int | None = None
+        self.few_token_experts = ops.moe_experts  # read by layers.decoder_layer
+
+    def bind(self, fields: LayerSlotFields, page_layer: int | None) -> "StepContext":
+        self.fields, self.page_layer = fields, page_layer
+        return self
+
+    def commit(self, meta: RowMeta) -> None:
+        """Apply the queued slot writes with the final commit / checkpoint lengths."""
+        for write in self.pending:
+            self.arena = write(self.arena, meta)
+        self.pending.clear()
+
+    # -- short convolutions
+
+    def conv(self, stream: str, x: Array, weight: Array) -> Array:
+        lay, f = self.layout, self.fields.conv
+        kw = dict(window_shape=f.shape, channels=self.fields.channels(stream), sink_rows=lay.sink_rows)
+        active_row, track_row = lay.slot_row(self.meta.physical_slot, f), lay.slot_row(self.meta.physical_track_slot, f)
+        if not self.deferred:
+            y, self.arena = self.ops.conv_update(self.arena, x, weight, self.meta.rows, active_row, track_row, **kw)
+            return y
+        window = conv_ref.read_window(self.arena, active_row, f.shape, kw["channels"])
+        y = conv_ref.conv_tokens(x, weight, window, self.meta.rows)
+        self.pending.append(lambda arena, m: self.ops.conv_write(
+            arena, x, window, m.rows, lay.slot_row(m.physical_slot, f), lay.slot_row(m.physical_track_slot, f), **kw))
+        return y
+
+    # -- attention
+
+    def attend(self, q: Array, k: Array, v: Array, r: Array, rel_proj: Array, geom: AttentionGeometry) -> Array:
+        meta = self.meta
+        qn = meta.rows.row_tokens.shape[1]
+        # packed [T, ...] -> per-row padded [B, Q, ...]
+        q_idx = meta.rows.row_tokens
+        q_valid = jnp.arange(qn)[None, :] < meta.num_new[:, None]
+        q_pos = meta.seq_start[:, None] + jnp.arange(qn)[None, :]
+        qp, kp, vp, rp = q[q_idx], k[q_idx], v[q_idx], r[q_idx]
+
+        if geom.is_sliding:
+            ctx_k, ctx_v, ctx_pos, ctx_valid, old_ring = self._ring_keys(geom)
+        else:
+            ctx_k, ctx_v, ctx_pos, ctx_valid = self._page_keys(geom)
+        out = L.attention_core(qp, (ctx_k, kp), (ctx_v, vp), rp, rel_proj, q_pos, (ctx_pos, q_pos),
+                               (ctx_valid, q_valid), geom, self.cfg)
+
+        if geom.is_sliding:
+            f = self.fields.ring
+            kv = jnp.stack([k, v], axis=1)
+            write = lambda arena, m: self._write_ring(arena, m, f, old_ring, kv)
+            if self.deferred:
+                self.pending.append(write)
+            else:
+                self.arena = write(self.arena, self.meta)
+        else:
+            self._write_pages(k, v)
+        return out[meta.rows.token_row, meta.rows.token_offset]
+
+    def _page_keys(self, geom: AttentionGeometry):
+        lay, b = self.layout, self.meta.seq_start.shape[0]
+        rows = lay.page_row(self.physical_pages, self.arena.shape[0], self.page_layer)  # [B, P]
+        kv = self.arena[rows].reshape(b, -1, 2, geom.num_kv_heads, geom.head_dim)  # [B, P*ps, 2, nkv, hd]
+        pos = jnp.broadcast_to(jnp.arange(kv.shape[1], dtype=jnp.int32), (b, kv.shape[1]))
+        valid = pos < self.meta.seq_start[:, None]
+        return kv[:, :, 0], kv[:, :, 1], pos, valid
+
+    def _write_pages(self, k: Array, v: Array) -> None:
+        """Store every valid new token's K/V at its position (drafts included: positions past
+        the committed length are rewritten before any query can see them)."""
+        lay, meta = self.layout, self.meta
+        ps = lay.page_size
+        pos = self.positions
+        token_row, token_offset = meta.rows.token_row, meta.rows.token_offset
+        valid = (meta.num_new[token_row] > token_offset) & (pos >= 0)
+        page_col = jnp.clip(pos // ps, 0, self.physical_pages.shape[1] - 1)
+        page = jnp.where(valid, self.physical_pages[token_row, page_col], 0)
+        rows = lay.page_row(page, self.arena.shape[0], self.page_layer)
+        offset = jnp.where(valid, pos % ps, 0)
+        t = k.shape[0]
+        kv = jnp.stack([k, v], axis=1).reshape(t, -1).astype(self.arena.dtype)
+        arena3 = self.arena.reshape(self.arena.shape[0], ps, -1)
+        self.arena = set_rows(arena3, rows, offset, kv).reshape(self.arena.shape)
+
+    def _ring_keys(self, geom: AttentionGeometry):
+        lay, meta = self.layout, self.meta
+        f = self.fields.ring
+        ring = read_slot_field(self.arena, lay, meta.physical_slot, f)  # [B, R, 2, nkv, hd]
+        r = lay.ring
+        last = meta.seq_start[:, None] - 1
+        idx = jnp.arange(r, dtype=jnp.int32)[None, :]
+        pos = last - jnp.mod(last - idx, r)  # the position each ring row holds, in (s-1-R, s-1]
+        valid = meta.rows.has_state[:, None] & (pos >= 0)
+        return ring[:, :, 0], ring[:, :, 1], pos, valid, ring
+
+    def _write_ring(self, arena: Array, meta: RowMeta, f, old_ring: Array, kv: Array) -> Array:
+        """Active ring: the first commit_len new tokens written into their rows (the last R
+        of them); checkpoint ring: the old ring with the first track_len tokens written."""
+        lay, rows = self.layout, meta.rows
+        r = lay.ring
+        b = meta.seq_start.shape[0]
+        row, off = rows.token_row, rows.token_offset
+        slot_idx = jnp.mod(self.positions, r)
+        n = rows.commit_len[row]
+        keep = (off < n) & (off >= n - r)
+        row_elems = math.prod(f.shape[1:])  # one ring row: [2, kv_heads, head_dim]
+        if lay.unit_elems % row_elems == 0:
+            # each ring row sits inside one unit: scatter just the new rows, in place
+            per_unit = lay.unit_elems // row_elems
+            # masked tokens write the sink slot (a dropped out-of-bounds write would make XLA
+            # copy the whole arena around a one-token update)
+            slot = jnp.where(keep, meta.physical_slot[row], 0)
+            unit = lay.slot_row(slot, f) + slot_idx // per_unit
+            view = arena.reshape(arena.shape[0], per_unit, row_elems)
+            arena = set_rows(view, unit, slot_idx % per_unit,
+                             kv.reshape(kv.shape[0], -1).astype(arena.dtype)).reshape(arena.shape)
+        else:
+            old = jnp.where(rows.has_state[:, None, None, None, None], old_ring, 0)
+            new = old.at[jnp.where(keep, row, b), slot_idx].set(kv.astype(old.dtype), mode="drop")
+            arena = write_slot_field(arena, lay, meta.physical_slot, f, new)
+
+        def checkpoint(arena):
+            old = jnp.where(rows.has_state[:, None, None, None, None], old_ring, 0)
+            tl = rows.track_len[row]
+            tkeep = (off < tl) & (off >= tl - r)
+            ck = old.at[jnp.where(tkeep, row, b), slot_idx].set(kv.astype(old.dtype), mode="drop")
+            return write_slot_field(arena, lay, meta.physical_track_slot, f, ck)
+
+        # most steps checkpoint no row: skip the whole-ring copy then
+        return jax.lax.cond(jnp.any(meta.physical_track_slot > 0), checkpoint, lambda a: a, arena)
+
+
+def set_rows(view: Array, unit: Int[Array, "t"], sub: Int[Array, "t"], values: Array) -> Array:
+    """view[unit[i], sub[i]] = values[i] for a [units, rows, elems] view of the arena, every
+    index in bounds (masked tokens aim at a sink). One token (batch-1 decode) is a
+    dynamic-update-slice: XLA turns a one-index scatter into one that re-reads the target
+    to emulate out-of-bounds skipping, and that read made it copy the whole arena."""
+    if unit.shape[0] == 1:
+        zero = jnp.zeros((), unit.dtype)
+        return jax.lax.dynamic_update_slice(view, values[:, None].astype(view.dtype), (unit[0], sub[0], zero))
+    return view.at[unit, sub].set(values.astype(view.dtype), mode="promise_in_bounds")

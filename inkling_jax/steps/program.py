@@ -1,0 +1,192 @@
+"""Jitted serving steps: (params, state, batch) -> (outputs, new_state).
+
+One step function serves every mode; its static `StepShape` (mode and bucket sizes) picks
+the compiled program. A batch holds packed ragged tokens plus per-row arrays padded to the
+bucket; every field is present in every mode (a row that does not checkpoint points at the
+sink with a false mask, never a missing field), so the jit cache compiles each bucket once.
+
+Inside the step, and only there, virtual slot and page ids become physical through the
+state's tables. The state is donated: the arena is updated in place.
+
+Data flow of one step:
+  1. copy-on-write restores (prefix hits): `virtual_cow_slot` -> the row's slot, whole entries;
+  2. the target layers on packed tokens [T, H]; each layer's context reads the *old* state
+     (conv windows, sliding rings, pages) and writes the new one; in `verify` mode the slot
+     writes wait until the accepted count is known (pages may take draft K/V: positions past
+     the committed length are rewritten before any query reads them);
+  3. the LM head and sampling (extend / decode: each row's last token; verify: every draft
+     position, then acceptance with the rejection-sampling rule);
+  4. with speculative decoding, the draft phase: the MTP depths, one after another (below).
+
+MTP state is a pure function of the committed tokens. With n committed target positions
+(t_n the next token, sampled or known), depth d has committed rows [0, n - d): row j reads
+the previous depth's hidden at row j and token t_{j+d+1}, which is known only for
+j + d + 1 <= n. A step that commits positions [s, e) of the target runs depth d over rows
+[max(0, s - d), e): the first rows commit (the same count as the target, shifted by d), the
+last d read draft tokens of this round and only propose (their K/V is rewritten next round,
+their conv windows never enter the state). Depth d - 1's output at row s - d, computed in
+an earlier step, is carried in the slot (`hidden` field). Depth d's greedy prediction at
+row e - 1 is the draft for t_{e+d+1}.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+from pallas_kernels import conv_ops
+from pallas_kernels.conv_state.ref import PackedRows
+
+from ..cache.layout import ArenaLayout
+from ..cache.state import ServingState, translate_pages, translate_slots
+from ..config import InklingConfig
+from ..model import layers as L
+from .batch import StepBatch, StepShape
+from .context import RowMeta, StepContext
+from .draft import draft_phase
+from .sampling import accept_drafts, sample_tokens
+
+Params = dict[str, Any]
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class StepOutput:
+    tokens: Int[Array, "b"]  # sampled next token of each row (verify: the bonus after the accepted drafts)
+    logprobs: Float[Array, "b"]  # log p(token) under the model (temperature 1, no truncation)
+    num_accepted: Int[Array, "b"]  # verify: drafts accepted (they precede `tokens`); else 0
+    accepted_logprobs: Float[Array, "b s"]  # verify: log p of each draft (valid for the accepted ones)
+    drafts: Int[Array, "b s"]  # spec: the next round's draft tokens (valid when sample_next)
+
+
+def target_meta(batch: StepBatch, query: int, physical_slot: Array, physical_track_slot: Array,
+                commit_len: Array, track_len: Array) -> RowMeta:
+    """The target pass's rows: one row per request, its new tokens packed at query_start."""
+    t = batch.tokens.shape[0]
+    rows = PackedRows(token_row=batch.token_row, token_offset=batch.token_offset,
+                      row_tokens=jnp.clip(batch.query_start[:, None] + jnp.arange(query)[None, :], 0, t - 1),
+                      has_state=batch.has_state, commit_len=commit_len, track_len=track_len)
+    tracking = (track_len > 0) & (batch.num_new > 0)
+    return RowMeta(rows=rows, seq_start=batch.seq_start, num_new=batch.num_new, physical_slot=physical_slot,
+                   physical_track_slot=jnp.where(tracking, physical_track_slot, 0))
+
+
+def run_layers(params: Params, cfg: InklingConfig, layout: ArenaLayout, ctx: StepContext, x: Array) -> Array:
+    """The trunk's decoder layers over packed tokens through ctx, then the final norm."""
+    for i, p in enumerate(params["layers"]):
+        ctx.bind(layout.target[i], layout.target_page_layer[i])
+        x = L.decoder_layer(p, cfg, cfg.layer_geometry(i), cfg.is_dense(i), x, ctx)
+    return L.rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+
+
+@dataclass
+class Translated:
+    """The batch's virtual ids through the state's tables (the step's one translation)."""
+
+    physical_slot: Array  # [B]
+    physical_track_slot: Array  # [B]
+    physical_pages: Array  # [B, P]
+
+
+def prepare(state: ServingState, batch: StepBatch, layout: ArenaLayout, ops: Any) -> tuple[Translated, Array]:
+    """Translate the batch's ids, and apply copy-on-write restores (prefix hits) to the arena."""
+    ids = Translated(translate_slots(state, batch.virtual_slot), translate_slots(state, batch.virtual_track_slot),
+                     translate_pages(state, batch.virtual_pages))
+    physical_cow_slot = translate_slots(state, batch.virtual_cow_slot)
+    # rows that restore nothing copy sink -> sink: a no-op for the Pallas copy (no lax.cond
+    # here: a conditional that may return the donated arena made XLA copy it whole at B = 1)
+    dst = jnp.where(physical_cow_slot > 0, ids.physical_slot, 0)
+    arena = ops.copy_units(state.arena, layout.slot_row(physical_cow_slot), layout.slot_row(dst),
+                           num_units=layout.slot_units, sink_rows=layout.sink_rows)
+    return ids, arena
+
+
+def step_logits(params: Params, state: ServingState, batch: StepBatch, *, cfg: InklingConfig, layout: ArenaLayout,
+                shape: StepShape, use_pallas: bool = False, interpret: bool = False,
+                context_cls: type = StepContext) -> tuple[Float[Array, "b v"], ServingState]:
+    """The target's extend / decode step without sampling: logits (fp32) of each row's last
+    new token, and the new state. Differentiable in params and state (the research / harness
+    entry point). It runs the target only: a layout's draft block is left as it was.
+
+    `context_cls`: the layer context (a `StepContext` subclass, e.g. one with a planted bug
+    for the harness's tests)."""
+    ops = conv_ops(use_pallas, interpret)
+    ids, arena = prepare(state, batch, layout, ops)
+    meta = target_meta(batch, shape.query, ids.physical_slot, ids.physical_track_slot, batch.num_new,
+                       batch.track_len)
+    ctx = context_cls(cfg, layout, ops, arena, meta, ids.physical_pages)
+    h = run_layers(params, cfg, layout, ctx, L.embed(params, cfg, batch.tokens, params["unembed"].dtype))
+    last = jnp.clip(batch.query_start + batch.num_new - 1, 0, h.shape[0] - 1)
+    return L.lm_head(params, cfg, h[last]), state.replace(arena=ctx.arena)
+
+
+def run_step(params: Params, state: ServingState, batch: StepBatch, *, cfg: InklingConfig, layout: ArenaLayout,
+             shape: StepShape, use_pallas: bool = False, interpret: bool = False) -> tuple[StepOutput, ServingState]:
+    """One serving step (not jitted; `compile_step` wraps it). use_pallas picks the Pallas
+    conv-state kernels (interpret=True runs them in interpret mode, for CPU tests)."""
+    ops = conv_ops(use_pallas, interpret)
+    ids, arena = prepare(state, batch, layout, ops)
+    spec = layout.spec_steps
+    b = shape.batch
+    verify = shape.mode == "verify"
+    meta = target_meta(batch, shape.query, ids.physical_slot, ids.physical_track_slot, batch.num_new,
+                       batch.track_len)
+    ctx = StepContext(cfg, layout, ops, arena, meta, ids.physical_pages, deferred=verify)
+    h = run_layers(params, cfg, layout, ctx, L.embed(params, cfg, batch.tokens, params["unembed"].dtype))
+
+    if verify:
+        row_tokens = meta.rows.row_tokens
+        logits = L.lm_head(params, cfg, h[row_tokens])  # [B, S+1, V]
+        drafts = batch.tokens[row_tokens[:, 1:]]  # [B, S]
+        n_acc, bonus, bonus_logp, draft_logp = accept_drafts(logits, drafts, batch, batch.seq_start + 1)
+        commit = jnp.where(batch.num_new > 0, n_acc + 1, 0)
+        track = jnp.where(commit >= batch.track_len, batch.track_len, 0)
+        meta = target_meta(batch, shape.query, ids.physical_slot, ids.physical_track_slot, commit, track)
+        ctx.commit(meta)
+    else:
+        last = jnp.clip(batch.query_start + batch.num_new - 1, 0, h.shape[0] - 1)
+        logits = L.lm_head(params, cfg, h[last])
+        bonus, bonus_logp = sample_tokens(logits, batch.temperature, batch.top_k, batch.top_p, batch.seed,
+                                          batch.seq_start + batch.num_new)
+        n_acc = jnp.zeros(b, jnp.int32)
+        draft_logp = jnp.zeros((b, spec), jnp.float32)
+        commit, track = batch.num_new, batch.track_len
+    arena = ctx.arena
+
+    new_drafts = jnp.zeros((b, spec), jnp.int32)
+    if spec:
+        arena, new_drafts = draft_phase(params, cfg, layout, ops, arena, batch, meta, ids.physical_pages, h,
+                                        commit, track, bonus)
+    out = StepOutput(bonus, bonus_logp, n_acc, draft_logp, new_drafts)
+    return out, state.replace(arena=arena)
+
+
+def compile_step(cfg: InklingConfig, layout: ArenaLayout, shape: StepShape, use_pallas: bool = False,
+                 interpret: bool = False):
+    """The jitted step for one (mode, bucket); the state argument is donated."""
+    return jax.jit(partial(run_step, cfg=cfg, layout=layout, shape=shape, use_pallas=use_pallas, interpret=interpret),
+                   donate_argnums=(1,))
+
+
+# XLA's GPU compiler sorts a single row (top-p sampling at batch 1) with CUB, which cannot be
+# captured in a command buffer (CUDA graph); the sampling `lax.cond` around it then runs on
+# the host, which copies its predicate back and waits for the whole step so far: a pipeline
+# drain in the middle of every batch-1 decode. XLA's own sort kernel keeps the step one graph.
+GPU_STEP_OPTIONS = {"xla_gpu_enable_cub_radix_sort": False}
+
+
+def compile_lowered(lowered):
+    """Compile a lowered step with the options above on a GPU (plain compile elsewhere, or
+    where this XLA does not know an option)."""
+    if jax.default_backend() == "gpu":
+        try:
+            return lowered.compile(compiler_options=GPU_STEP_OPTIONS)
+        except Exception as exc:  # noqa: BLE001 - an XLA without the option: compile as is
+            import warnings
+
+            warnings.warn(f"compiling without {GPU_STEP_OPTIONS}: {type(exc).__name__}: {exc}")
+    return lowered.compile()
