@@ -234,7 +234,7 @@ def isolation_scenario(cfg: InklingConfig, geometry: Geometry | None = None, see
         token_row=token_row, token_offset=token_offset, virtual_slot=per_row([2, 5, 7, 0]),
         has_state=per_row([True, True, False, False], False, bool), seq_start=per_row([6, 13, 0, 0]),
         num_new=per_row([3, 1, 5, 0]), query_start=per_row([0, 3, 4, 9], 9), virtual_pages=pages,
-        virtual_track_slot=per_row([3, 0, 0, 0]), track_len=per_row([2, 0, 0, 0]))
+        virtual_track_slot=per_row([3, 0, 0, 0])[:, None], track_len=per_row([2, 0, 0, 0])[:, None])
     description = "\n".join([
         f"extend step, B {b} rows, T {t} packed tokens, Q {geometry.shape.query}, P {p} pages per row:",
         "  row 0: continuing request, 6 cached tokens, 3 new, checkpoint after 2 of them",
@@ -329,9 +329,10 @@ def _ownership(state: ServingState, batch: StepBatch, layout: ArenaLayout):
             for u in units_of_slot(phys_slot(cow[r])):
                 owners.setdefault(u, []).append(f"row {r}'s copy-on-write source slot")
                 s.add(u)
-        if track[r] > 0 and track_len[r] > 0:  # written, never read
-            for u in units_of_slot(phys_slot(track[r])):
-                owners.setdefault(u, []).append(f"row {r}'s checkpoint slot")
+        for m in range(track.shape[1]):
+            if track[r, m] > 0 and track_len[r, m] > 0:  # written, never read
+                for u in units_of_slot(phys_slot(track[r, m])):
+                    owners.setdefault(u, []).append(f"row {r}'s checkpoint slot")
         pg = set()
         for v in pages[r]:
             if v > 0:
@@ -554,16 +555,16 @@ def check_conv_receptive_field(
     row_tokens = np.clip(query_start[:, None] + np.arange(q)[None, :], 0, t - 1).astype(np.int32)
     packed = PackedRows(token_row=jnp.asarray(token_row, jnp.int32), token_offset=jnp.asarray(token_offset),
                         row_tokens=jnp.asarray(row_tokens), has_state=jnp.asarray(has_state),
-                        commit_len=jnp.asarray(num_new), track_len=jnp.asarray(track_len))
+                        commit_len=jnp.asarray(num_new), track_len=jnp.asarray(track_len)[:, None])
     act_rows = jnp.asarray(layout.slot_row(active, f), jnp.int32)  # first arena row of each row's field
-    trk_rows = jnp.asarray(layout.slot_row(track_dest, f), jnp.int32)
+    trk_rows = jnp.asarray(layout.slot_row(track_dest, f), jnp.int32)[:, None]  # one checkpoint column
     tracked = np.nonzero(track_len > 0)[0]
 
     def windows(x, arena):
         _, new = conv_update(arena, x, weight, packed, act_rows, trk_rows, window_shape=f.shape, channels=(c0, c1),
                              sink_rows=layout.sink_rows)
         act = read_field(new, act_rows, f.shape)[..., c0:c1]
-        trk = read_field(new, trk_rows, f.shape)[..., c0:c1][tracked]
+        trk = read_field(new, trk_rows[:, 0], f.shape)[..., c0:c1][tracked]
         return jnp.concatenate([act, trk], axis=0)  # [B + tracked, K-1, width]
 
     n_out = b + len(tracked)

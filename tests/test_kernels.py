@@ -32,7 +32,7 @@ from pallas_kernels.slot_ops import ref as ref_units
 # On a GPU the same tests run the compiled Triton kernels; elsewhere interpret mode.
 INTERPRET = jax.default_backend() != "gpu"
 
-NUM_SLOTS = 8  # physical slots in the test arenas (slot 0 is the sink)
+NUM_SLOTS = 16  # physical slots in the test arenas (slot 0 is the sink)
 EXTRA_UNITS = 3  # units past the slots (pages), which must stay untouched
 
 
@@ -74,8 +74,8 @@ class Meta:
     """A step's conv metadata: the packed rows, and each row's physical active / checkpoint slot."""
 
     rows: PackedRows
-    active: jax.Array
-    track_dest: jax.Array
+    active: jax.Array  # [B]
+    track_dest: jax.Array  # [B, M]
 
 
 def conv_call(op, lay: ArenaLayout, f: Field, ch: tuple[int, int], **kw):
@@ -87,12 +87,13 @@ def conv_call(op, lay: ArenaLayout, f: Field, ch: tuple[int, int], **kw):
 
 
 def random_meta(rng, num_rows: int, num_tokens: int, km1: int, decode: bool, q: int = 0,
-                shuffle: bool = False) -> Meta:
+                shuffle: bool = False, tracks: int = 1) -> Meta:
     """A step's conv metadata as the steps build it, with physical slots drawn at random.
 
     q: the step's Q (max new tokens of a row; decode: 1); extend default: num_tokens.
     shuffle: the tokens' x rows in a random order instead of packed row by row (the
-    contract allows any row_tokens; the kernel's extend path guesses the packed order)."""
+    contract allows any row_tokens; the kernel's extend path guesses the packed order).
+    tracks: M, the checkpoint columns per row (several boundaries inside one chunk)."""
     slots = rng.permutation(np.arange(1, NUM_SLOTS))
     num_real = rng.randint(1, num_rows) if num_rows > 1 else 1  # leave padded rows when there is room
     real = np.sort(rng.choice(num_rows, num_real, replace=False))
@@ -137,12 +138,13 @@ def random_meta(rng, num_rows: int, num_tokens: int, km1: int, decode: bool, q: 
         elif u < 0.4:
             commit_len[b] = rng.randint(1, num_new[b] + 1)
     commit_len[padded] = np.where(rng.rand(len(padded)) < 0.3, 1, 0)  # aimed at the sink: inert
-    track_dest = np.zeros(num_rows, np.int32)
-    track_len = rng.randint(0, km1 + 3, num_rows)  # rows that do not checkpoint: anything
+    track_dest = np.zeros((num_rows, tracks), np.int32)
+    track_len = rng.randint(0, km1 + 3, (num_rows, tracks))  # columns that do not checkpoint: anything
     for b in real:
-        if spare and rng.rand() < 0.6:
-            track_dest[b] = spare.pop()
-            track_len[b] = rng.choice([0, min(1, num_new[b]), min(km1 - 1, num_new[b]), num_new[b], q])
+        for m in range(tracks):
+            if spare and rng.rand() < 0.6:
+                track_dest[b, m] = spare.pop()
+                track_len[b, m] = rng.choice([0, min(1, num_new[b]), min(km1 - 1, num_new[b]), num_new[b], q])
     if shuffle:  # x row n holds the token packed at old_of[n]
         old_of = rng.permutation(num_tokens)
         new_of = np.argsort(old_of)
@@ -187,20 +189,20 @@ def assert_arena(got, want, before, lay: ArenaLayout, what: str) -> None:
 
 # ------------------------------------------------------------------------ conv_update
 
-# (K, arena dtype, x dtype, layer, streams, decode, rows B, tokens T, Q)
+# (K, arena dtype, x dtype, layer, streams, decode, rows B, tokens T, Q, checkpoints per row M)
 UPDATE_CASES = {
-    "k4-f32-decode": (4, jnp.float32, jnp.float32, 2, ("attn",), True, 4, 4, 1),
-    "k4-bf16-extend-4streams": (4, jnp.bfloat16, jnp.bfloat16, 0, ("k", "v", "attn", "mlp"), False, 4, 16, 7),
-    "k2-f32arena-bf16x-extend": (2, jnp.float32, jnp.bfloat16, 2, ("mlp",), False, 3, 12, 5),
-    "k3-bf16arena-f32x-decode": (3, jnp.bfloat16, jnp.float32, 1, ("v",), True, 5, 5, 1),
-    "k4-f32-extend-T<B": (4, jnp.float32, jnp.float32, 1, ("k",), False, 6, 5, 3),
-    "k4-bf16-extend-shuffled": (4, jnp.bfloat16, jnp.bfloat16, 2, ("attn", "mlp"), False, 3, 16, 9),
+    "k4-f32-decode": (4, jnp.float32, jnp.float32, 2, ("attn",), True, 4, 4, 1, 1),
+    "k4-bf16-extend-4streams": (4, jnp.bfloat16, jnp.bfloat16, 0, ("k", "v", "attn", "mlp"), False, 4, 16, 7, 2),
+    "k2-f32arena-bf16x-extend": (2, jnp.float32, jnp.bfloat16, 2, ("mlp",), False, 3, 12, 5, 3),
+    "k3-bf16arena-f32x-decode": (3, jnp.bfloat16, jnp.float32, 1, ("v",), True, 5, 5, 1, 1),
+    "k4-f32-extend-T<B": (4, jnp.float32, jnp.float32, 1, ("k",), False, 6, 5, 3, 2),
+    "k4-bf16-extend-shuffled": (4, jnp.bfloat16, jnp.bfloat16, 2, ("attn", "mlp"), False, 3, 16, 9, 1),
 }
 
 
 @pytest.mark.parametrize("case", list(UPDATE_CASES))
 def test_conv_update_matches_reference(case):
-    k, adt, xdt, layer, streams, decode, num_rows, num_tokens, q = UPDATE_CASES[case]
+    k, adt, xdt, layer, streams, decode, num_rows, num_tokens, q, tracks = UPDATE_CASES[case]
     rng = np.random.RandomState(sum(map(ord, case)))
     lay = tiny_layout(k)
     f = lay.target[layer].conv
@@ -222,14 +224,15 @@ def test_conv_update_matches_reference(case):
         arena = random_arena(rng, lay, conv_fields(lay), adt)
         xs = [jnp.asarray(rng.standard_normal((num_tokens, c1 - c0)), xdt) for c0, c1 in chans]
         ws = [jnp.asarray(0.5 * rng.standard_normal((k, c1 - c0)), xdt) for c0, c1 in chans]
-        meta = random_meta(rng, num_rows, num_tokens, k - 1, decode, q, shuffle=case.endswith("shuffled"))
+        meta = random_meta(rng, num_rows, num_tokens, k - 1, decode, q, shuffle=case.endswith("shuffled"),
+                           tracks=tracks)
         ys, got = kern(arena, xs, ws, meta)
         ys_ref, want = want_fn(arena, xs, ws, meta)
         for s, y, y_ref in zip(streams, ys, ys_ref):
             assert_y(y, y_ref, f"{case} trial {trial} y[{s}]")
         assert_arena(got, want, arena, lay, f"{case} trial {trial}")
         # slots neither active nor checkpointed this step are untouched
-        written = set(np.asarray(meta.active).tolist()) | set(np.asarray(meta.track_dest).tolist())
+        written = set(np.asarray(meta.active).tolist()) | set(np.asarray(meta.track_dest).reshape(-1).tolist())
         for slot in set(range(1, NUM_SLOTS)) - written:
             units = slice(lay.slot_row(slot), lay.slot_row(slot + 1))
             assert_bits(got[units], arena[units], f"{case}: untouched slot {slot}")
@@ -345,7 +348,7 @@ def test_conv_write_matches_reference(k, adt, wdt, xdt):
         arena = random_arena(rng, lay, conv_fields(lay), adt)
         x = jnp.asarray(rng.standard_normal((num_tokens, width)), xdt)
         window = jnp.asarray(rng.standard_normal((num_rows, k - 1, width)), wdt)
-        meta = random_meta(rng, num_rows, num_tokens, k - 1, decode=False, q=5)
+        meta = random_meta(rng, num_rows, num_tokens, k - 1, decode=False, q=5, tracks=1 + trial)
         got = kern(arena, x, window, meta)
         assert_arena(got, want_fn(arena, x, window, meta), arena, lay, f"conv_write trial {trial}")
 
@@ -403,7 +406,7 @@ def test_gradients_match_reference():
     arena = random_arena(rng, lay, conv_fields(lay), jnp.float32)
     x = jnp.asarray(rng.standard_normal((10, width)), jnp.float32)
     w = jnp.asarray(rng.standard_normal((4, width)), jnp.float32)
-    meta = random_meta(rng, 3, 10, 3, decode=False, q=6)
+    meta = random_meta(rng, 3, 10, 3, decode=False, q=6, tracks=2)
     probe_y = jnp.asarray(rng.standard_normal(x.shape), jnp.float32)
     # the sink's contents are arbitrary (padded rows race for it): the loss ignores it
     probe_a = jnp.asarray(rng.standard_normal(arena.shape), jnp.float32).at[:lay.slot_units].set(0.0)
@@ -505,8 +508,8 @@ def test_kernels_lower_for_gpu():
     w = ch[1] - ch[0]
     for b, t, q in [(32, 32, 1), (4, 256, 64)]:
         rows = PackedRows(token_row=i32(t), token_offset=i32(t), row_tokens=i32(b, q), has_state=sds((b,), jnp.bool_),
-                          commit_len=i32(b), track_len=i32(b))
-        meta = Meta(rows, i32(b), i32(b))
+                          commit_len=i32(b), track_len=i32(b, 2))
+        meta = Meta(rows, i32(b), i32(b, 2))
         x = sds((t, w), jnp.bfloat16)
         lower(conv_call(pconv.conv_update, lay, f, ch), arena, x, sds((4, w), jnp.bfloat16), meta)
     lower(conv_call(pconv.conv_write, lay, f, ch), arena, x, sds((b, 3, w), jnp.bfloat16), meta)

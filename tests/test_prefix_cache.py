@@ -15,6 +15,7 @@ import inkling_jax as ik
 from inkling_jax.cache.layout import ArenaLayout
 from inkling_jax.cache.state import init_state, read_slot_field
 from inkling_jax.engine import Request, Resources
+from inkling_jax.engine.checkpoints import Checkpoint
 from inkling_jax.steps import RowPlan, StepShape, compile_step, pack_batch
 from conftest import ENGINE_KW, TRUNK, make_engine, reference_logprobs
 
@@ -74,6 +75,60 @@ def test_branching_prompts_share_a_prefix(trunk_params):
     assert out_b.cached_tokens == 16 and out_c.cached_tokens == 16  # the checkpoint at 16 is shared
     clean = make_engine(trunk_params, prefix_cache=False).generate([b, c], sp)
     assert [out_b.tokens, out_c.tokens] == [x.tokens for x in clean]
+    engine.check_invariants()
+
+
+SYSTEM = prompts_from(21, (30,))[0]  # a system prompt the workloads below share (30 tokens)
+
+
+def common_prefix(a, b) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def deepest_boundary(n: int) -> int:
+    return n // ENGINE_KW["track_interval"] * ENGINE_KW["track_interval"]
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 8, 64, 1024])
+def test_hits_at_the_deepest_boundary_whatever_the_chunking(trunk_params, chunk):
+    """Four prompts sharing a 30-token system prompt, sent one after another: the 2nd on hit at
+    24, the deepest boundary inside the shared part (every prompt boundary is checkpointed,
+    several per chunk when a chunk crosses several); an exact repeat of a prompt that fits in
+    one chunk hits at its deepest boundary; every chunk size gives the same hits and the same
+    tokens as an engine with the cache off."""
+    sp = ik.SamplingParams(max_new_tokens=5, stop_at_eos=False)
+    engine = make_engine(trunk_params, chunk_size=chunk, max_step_tokens=max(16, chunk), num_slots=40)
+    prompts = [SYSTEM + u for u in prompts_from(22, (15, 9, 19, 12))]
+    outs = [engine.generate([p], sp)[0] for p in prompts]
+    repeat = engine.generate([prompts[2]], sp)[0]
+    assert [o.cached_tokens for o in outs] == [0, 24, 24, 24]
+    assert repeat.cached_tokens == deepest_boundary(len(prompts[2]) - 1) == 48
+    clean = make_engine(trunk_params, prefix_cache=False).generate(prompts + prompts[2:3], sp)
+    assert [o.tokens for o in outs + [repeat]] == [c.tokens for c in clean]
+    engine.check_invariants()
+    assert engine.stats()["cache_hit_tokens"] == 3 * 24 + 48
+
+
+@pytest.mark.parametrize("pool, ping_pong", POOLS)
+def test_branch_point_is_checkpointed_for_the_next_request(trunk_params, pool, ping_pong):
+    """A request that branches off a cached path where no checkpoint was kept (inside the
+    first request's generated text: only its newest generation checkpoint went to the tree)
+    hits at the last checkpoint before the branch, and leaves one at the deepest boundary at
+    or below its branch point during its own prefill: the third request hits there."""
+    sp = ik.SamplingParams(max_new_tokens=30, stop_at_eos=False)
+    engine = make_engine(trunk_params, pool=pool, ping_pong=ping_pong, num_slots=24)
+    prompt = prompts_from(23, (12,))[0]
+    history = prompt + engine.generate([prompt], sp)[0].tokens  # checkpoints: 8 (prompt), 40 (newest)
+    second = history[:29] + prompts_from(24, (10,))[0]  # branches off at 29: deepest boundary 24
+    third = history[:29] + prompts_from(25, (7,))[0]
+    short = ik.SamplingParams(max_new_tokens=3, stop_at_eos=False)
+    outs = [engine.generate([p], short)[0] for p in (second, third)]
+    assert [o.cached_tokens for o in outs] == [8, 24]
+    clean = make_engine(trunk_params, prefix_cache=False).generate([second, third], short)
+    assert [o.tokens for o in outs] == [c.tokens for c in clean]
     engine.check_invariants()
 
 
@@ -169,21 +224,40 @@ def test_admission_needs_and_rollback(trunk_params):
 @pytest.mark.parametrize("committed, n, expected", [
     (0, 8, 8), (0, 7, None), (3, 8, 8), (8, 8, 16), (16, 3, None), (13, 11, 24), (15, 1, 16), (16, 1, None),
 ])
-def test_checkpoint_positions(trunk_params, committed, n, expected):
-    """S14 for our grid (track_interval 8, absolute): a step that reaches or crosses a
-    multiple of 8 writes the window ending there; the track length is counted from the step start."""
+def test_generation_checkpoint_positions(trunk_params, committed, n, expected):
+    """S14 for our grid (track_interval 8, absolute), past the prompt: a step that reaches or
+    crosses a multiple of 8 writes the state there into the next ping-pong slot, and only the
+    newest boundary of the step; the track length is counted from the step start."""
     engine = make_engine(trunk_params)
-    req = Request(0, list(range(40)), 40, ik.SamplingParams(),
+    req = Request(0, list(range(40)), 2, ik.SamplingParams(),
                   held=Resources(virtual_track_slots=[5, 6], committed=committed))
-    plan = engine.checkpoints.plan(req, n)
-    assert (plan is None) if expected is None else (plan == (0, expected - committed))
+    n_out, cks = engine.checkpoints.plan(req, n)
+    assert n_out == n
+    assert cks == ([] if expected is None else [Checkpoint(expected, 5, donate=False, track_index=0)])
+
+
+@pytest.mark.parametrize("committed, n, cap, expected_n, expected", [
+    (0, 8, 4, 8, [8]), (0, 40, 4, 32, [8, 16, 24, 32]), (3, 30, 4, 30, [8, 16, 24, 32]), (4, 30, 2, 12, [8, 16]),
+    (8, 7, 4, 7, []), (13, 27, 4, 27, [16, 24, 32, 40]),
+])
+def test_every_prompt_boundary_is_checkpointed(trunk_params, committed, n, cap, expected_n, expected):
+    """Inside the prompt every boundary of a chunk is checkpointed for the tree, up to
+    max_step_checkpoints per step: a chunk crossing more is cut at the last one it writes."""
+    engine = make_engine(trunk_params, num_slots=32, chunk_size=64, max_step_tokens=64, max_step_checkpoints=cap)
+    req = Request(0, list(range(3, 43)), 40, ik.SamplingParams(),
+                  held=Resources(virtual_track_slots=[5, 6], committed=committed))
+    n_out, cks = engine.checkpoints.plan(req, n)
+    assert n_out == expected_n and [ck.depth for ck in cks] == expected
+    assert all(ck.donate for ck in cks) and len({ck.virtual_slot for ck in cks}) == len(cks)
+    assert [ck.virtual_slot for ck in cks][:2] == [5, 6][:len(cks)]  # its idle ping-pong slots first
 
 
 # ------------------------------------------------------- step-level scenarios
 
 
 def _decode_batch(b, slots, track_slots, track_len, seq, pages, tokens):
-    rows = [RowPlan(tokens=[tok], seq_start=st, virtual_slot=v, virtual_pages=pg, virtual_track_slot=tv, track_len=tl)
+    rows = [RowPlan(tokens=[tok], seq_start=st, virtual_slot=v, virtual_pages=pg, virtual_track_slots=[tv],
+                    track_lens=[tl])
             for tok, st, v, pg, tv, tl in zip(tokens, seq, slots, pages, track_slots, track_len)]
     return pack_batch(StepShape("decode", b, b, 1, len(pages[0])), rows)
 
@@ -282,6 +356,7 @@ OPS = st.lists(st.one_of(
     st.tuples(st.just("close")),
     st.tuples(st.just("compact")),
     st.tuples(st.just("evict")),
+    st.tuples(st.just("shared"), st.integers(0, 3), st.integers(1, 4)),
 ), min_size=3, max_size=10)
 
 
@@ -289,14 +364,21 @@ OPS = st.lists(st.one_of(
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ops=OPS)
 def test_random_schedules_match_no_cache(trunk_params, pool, ping_pong, ops):
-    """Random schedules of submit / step / session turns / close / compaction / eviction:
-    check_invariants() after every operation, and every completion equals what an engine
-    with the prefix cache off gives for the same full history."""
+    """Random schedules of submit / step / session turns / close / compaction / eviction and
+    requests that share a system prompt: check_invariants() after every operation, every
+    completion equals what an engine with the prefix cache off gives for the same full
+    history, and every shared-prompt request that follows a finished one with nothing
+    evicted in between hits at the deepest boundary of the shared part (hit rate 1)."""
     bases = prompts_from(9, (19, 24, 11, 30))
+    suffixes = prompts_from(10, (5, 9, 3, 12))
     engine = make_engine(trunk_params, pool=pool, ping_pong=ping_pong, num_slots=10, num_pages=40)
     sp = lambda n: ik.SamplingParams(max_new_tokens=n, stop_at_eos=False)
     submitted = []  # (request, full history it answers)
     sid, history = None, []
+    shared_cached = None  # evictions seen when the last shared-prompt request finished
+    shared_done = []  # shared-prompt requests finished since then
+    hits, expected_hits = [], []
+    evictions = lambda: tuple(engine.stats()[k] for k in ("evicted_slots", "evicted_pages", "skipped_checkpoints"))
     for op in ops:
         if op[0] == "submit":
             _, base, cut, n = op
@@ -322,9 +404,24 @@ def test_random_schedules_match_no_cache(trunk_params, pool, ping_pong, ops):
             engine.compact()
         elif op[0] == "evict":
             engine.evict_all()
+            shared_cached, shared_done = None, []
+        elif op[0] == "shared":
+            _, which, n = op
+            prompt = SYSTEM + suffixes[which]
+            out = engine.generate([prompt], sp(n))[0]
+            submitted.append((out, prompt))
+            if shared_cached is not None and shared_cached == evictions():  # nothing evicted since
+                shared = max(common_prefix(prompt, q) for q in shared_done)
+                hits.append(out.cached_tokens)
+                expected_hits.append(deepest_boundary(min(shared, len(prompt) - 1)))
+            else:
+                shared_done = []
+            shared_cached = evictions()
+            shared_done.append(prompt)
         engine.check_invariants()
     drain(engine)
     engine.check_invariants()
+    assert hits == expected_hits  # every eligible shared-prompt request hit at its deepest shared boundary
     if not submitted:
         return
     clean = make_engine(trunk_params, pool=pool, ping_pong=ping_pong, prefix_cache=False, num_slots=10,

@@ -243,6 +243,23 @@ def test_prefix_hit_after_spec_restores_target_and_draft(spec_params):
     engine.check_invariants()
 
 
+@pytest.mark.parametrize("pool, ping_pong", [("unified", "eager"), ("unified", "lazy"), ("static", "eager"),
+                                             ("static", "lazy")])
+def test_prefix_hits_with_speculation(spec_params, pool, ping_pong):
+    """With speculative decoding (verify steps crossing generation boundaries) prompts sharing
+    a 26-token system prompt hit from the second on at 24, the deepest boundary inside the
+    shared part; the tokens are plain greedy decoding's."""
+    system = prompts_from(30, (26,))[0]
+    prompts = [system + u for u in prompts_from(31, (7, 11, 5))]
+    sp = ik.SamplingParams(max_new_tokens=12, stop_at_eos=False)
+    engine = spec_engine(spec_params, 2, pool=pool, ping_pong=ping_pong, num_slots=24)
+    outs = [engine.generate([p], sp)[0] for p in prompts]
+    assert [o.cached_tokens for o in outs] == [0, 24, 24]
+    plain = spec_engine(spec_params, 0, prefix_cache=False).generate(prompts, sp)
+    assert [o.tokens for o in outs] == [c.tokens for c in plain]
+    engine.check_invariants()
+
+
 def test_spec_sampling_matches_the_target_distribution(spec_params):
     """temperature > 0: the second generated token (the first one that goes through a verify
     round) follows the target's marginal distribution: chi-square over many samples."""

@@ -18,6 +18,7 @@ class EngineConfig:
     pool: str = "unified"  # "unified" or "static"
     prefix_cache: bool = True
     track_interval: int = 64  # checkpoint cadence in tokens (a multiple of page_size)
+    max_step_checkpoints: int = 4  # checkpoints one request writes in one extend step (more: the chunk is cut)
     ping_pong: str = "eager"  # or "lazy"
     spec_steps: int = 0  # MTP draft tokens per round (0 = off)
     use_pallas: Any = "auto"  # True / False / "auto" (Pallas on GPU, jnp elsewhere)

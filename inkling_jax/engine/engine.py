@@ -57,7 +57,7 @@ class Engine:
         self.tree = PrefixTree(config.page_size) if config.prefix_cache else None
         self._stats = dict(steps=0, extend_steps=0, decode_steps=0, cache_hit_tokens=0, verify_steps=0,
                            verify_rows=0, accepted_draft_tokens=0, generated_tokens=0, prompt_tokens=0,
-                           evicted_slots=0, evicted_pages=0, deferred=0)
+                           evicted_slots=0, evicted_pages=0, deferred=0, skipped_checkpoints=0)
         self.admission = Admission(config, self.pool, self.tree, self._stats)
         if self.pool.unified:  # the longest sequence: every page but those of one request's slots
             page_cap = (num_units - (1 + self.admission.slots_per_request) * lay.slot_units) // lay.page_units - 1
@@ -66,7 +66,8 @@ class Engine:
         self.max_context = min(config.max_context or page_cap * config.page_size, page_cap * config.page_size)
         self.checkpoints = CheckpointPolicy(config, self.tree, self.admission)
         self.scheduler = Scheduler(cfg, config, self.admission, self.checkpoints, self._stats)
-        self.runner = StepRunner(cfg, params, config, lay, self.pool, self.max_context)
+        self.runner = StepRunner(cfg, params, config, lay, self.pool, self.max_context,
+                                 extend_checkpoints=self.checkpoints.max_per_step)
         self.waiting: list[Request] = []
         self.sessions: dict[int, Session] = {}
         self._rids = itertools.count()

@@ -60,7 +60,7 @@ def resolve_use_pallas(config: EngineConfig) -> bool:
 
 class StepRunner:
     def __init__(self, cfg: InklingConfig, params: Any, config: EngineConfig, layout: ArenaLayout, pool: UnitPool,
-                 max_context: int):
+                 max_context: int, extend_checkpoints: int = 1):
         self.cfg, self.params, self.config, self.layout = cfg, params, config, layout
         self.use_pallas = resolve_use_pallas(config)
         self.ops = conv_ops(self.use_pallas, config.pallas_interpret)
@@ -73,6 +73,7 @@ class StepRunner:
         self.token_buckets = ladder(top_t, min(top_t, pow2_ceil(max(config.min_token_bucket, config.max_running))))
         top_p = pow2_ceil(math.ceil(max_context / config.page_size))
         self.page_buckets = ladder(top_p, min(top_p, pow2_ceil(math.ceil(config.min_context_bucket / config.page_size))))
+        self.extend_checkpoints = extend_checkpoints  # M of extend steps (decode / verify: 1)
         self.compiled: dict[StepShape, Any] = {}
         self._move_fns: dict[int, Any] = {}
         self.stats = dict(compiles=0, compile_seconds=0.0)
@@ -89,7 +90,7 @@ class StepRunner:
             q = self.config.spec_steps + 1
             return StepShape("verify", b, b * q, q, p)
         t = next(x for x in self.token_buckets if x >= max(tokens, b))
-        return StepShape("extend", b, t, min(self.config.chunk_size, t), p)
+        return StepShape("extend", b, t, min(self.config.chunk_size, t), p, self.extend_checkpoints)
 
     def all_shapes(self) -> list[StepShape]:
         """Every shape the scheduler can pick."""

@@ -21,7 +21,7 @@ import numpy as np
 from ..config import InklingConfig
 from ..steps import RowPlan
 from .admission import Admission
-from .checkpoints import CheckpointPolicy, Track
+from .checkpoints import Checkpoint, CheckpointPolicy
 from .config import EngineConfig
 from .records import Request
 
@@ -44,7 +44,7 @@ class StepPlan:
     mode: str
     requests: list[Request]
     new_tokens: list[int]  # per request: tokens this step adds (verify: 1 + spec_steps candidates)
-    tracks: list[Track | None]
+    checkpoints: list[list[Checkpoint]]  # per request: the checkpoints the step writes
     rows: list[RowPlan] = field(default_factory=list)
 
     @property
@@ -72,33 +72,35 @@ class Scheduler:
         cfg, spec = self.config, self.config.spec_steps
         prefill = any(r.pending > 1 for r in running)
         mode = "extend" if prefill else ("verify" if spec else "decode")
-        if mode == "verify":
-            new_tokens = [spec + 1] * len(running)
-        else:
-            new_tokens, budget = [], cfg.max_step_tokens
-            for r in running:
+        new_tokens, checkpoints, budget = [], [], cfg.max_step_tokens
+        for r in running:
+            if mode == "verify":
+                n = spec + 1
+            else:
                 n = max(min(r.pending, cfg.chunk_size, budget - (len(running) - len(new_tokens) - 1)), 1)
-                new_tokens.append(n)
-                budget -= n
+            n, cks = self.checkpoints.plan(r, n)  # may cut the chunk at a checkpoint
+            new_tokens.append(n)
+            checkpoints.append(cks)
+            budget -= n
         for r, n in zip(running, new_tokens):
             self.admission.grow_pages(r.held, r.committed + n)
-        tracks = [self.checkpoints.plan(r, n) for r, n in zip(running, new_tokens)]
-        plan = StepPlan(mode, list(running), new_tokens, tracks)
-        plan.rows = [self._row_plan(mode, r, n, t, drafts_for) for r, n, t in zip(running, new_tokens, tracks)]
+        plan = StepPlan(mode, list(running), new_tokens, checkpoints)
+        plan.rows = [self._row_plan(mode, r, n, cks, drafts_for) for r, n, cks in zip(running, new_tokens, checkpoints)]
         return plan
 
     def stop_ids(self, r: Request) -> list[int]:
         eos = [self.cfg.eos_token_id] if r.sampling.stop_at_eos and self.cfg.eos_token_id is not None else []
         return eos + list(r.sampling.stop_token_ids)
 
-    def _row_plan(self, mode: str, r: Request, n: int, track: Track | None, drafts_for: DraftSource) -> RowPlan:
+    def _row_plan(self, mode: str, r: Request, n: int, checkpoints: list[Checkpoint],
+                  drafts_for: DraftSource) -> RowPlan:
         held, spec = r.held, self.config.spec_steps
         row = RowPlan(tokens=[], seq_start=held.committed, virtual_slot=held.virtual_slot,
                       virtual_pages=held.virtual_pages, virtual_cow_slot=r.virtual_cow_slot,
                       temperature=r.sampling.temperature, top_k=r.sampling.top_k, top_p=r.sampling.top_p,
-                      seed=r.seed, stop_ids=self.stop_ids(r)[:self.config.max_stop_ids])
-        if track is not None:
-            row.virtual_track_slot, row.track_len = held.virtual_track_slots[track[0]], track[1]
+                      seed=r.seed, stop_ids=self.stop_ids(r)[:self.config.max_stop_ids],
+                      virtual_track_slots=[ck.virtual_slot for ck in checkpoints],
+                      track_lens=[ck.depth - held.committed for ck in checkpoints])
         if mode == "verify":
             row.tokens = [r.tokens[held.committed]] + list(drafts_for(r))
             remaining = r.sampling.max_new_tokens - len(r.out_tokens)
@@ -118,14 +120,14 @@ class Scheduler:
         self.stats["steps"] += 1
         self.stats[f"{plan.mode}_steps"] += 1
         now = time.perf_counter()
-        for i, (r, n, track) in enumerate(zip(plan.requests, plan.new_tokens, plan.tracks)):
+        for i, (r, n, cks) in enumerate(zip(plan.requests, plan.new_tokens, plan.checkpoints)):
             r.virtual_cow_slot = 0
             if plan.mode == "verify":
-                self._commit_verify(r, plan.rows[i], track, out, i, now)
+                self._commit_verify(r, plan.rows[i], out, i, now)
+                self.checkpoints.after(r, cks)
                 continue
             r.held.committed += n
-            if track:
-                self.checkpoints.after(r, track)
+            self.checkpoints.after(r, cks)
             if r.committed == len(r.tokens):  # the row reached the end: its sample is the next token
                 self.emit(r, int(out.tokens[i]), float(out.logprobs[i]), now)
                 if self.config.spec_steps:
@@ -135,8 +137,7 @@ class Scheduler:
             self.finish(r)
         return finished
 
-    def _commit_verify(self, r: Request, row: RowPlan, track: Track | None, out: HostOutputs, i: int,
-                       now: float) -> None:
+    def _commit_verify(self, r: Request, row: RowPlan, out: HostOutputs, i: int, now: float) -> None:
         a = int(out.num_accepted[i])
         emitted = [int(t) for t in row.tokens[1:1 + a]] + [int(out.tokens[i])]
         lps = [float(x) for x in out.accepted_logprobs[i, :a]] + [float(out.logprobs[i])]
@@ -148,8 +149,6 @@ class Scheduler:
         self.stats["accepted_draft_tokens"] += a
         for d in range(a):
             self.accepted_at_depth[d] += 1
-        if track and a + 1 >= track[1]:
-            self.checkpoints.after(r, track)
         r.drafts = [int(t) for t in out.drafts[i]]
 
     def emit(self, r: Request, token: int, logprob: float, now: float) -> None:

@@ -32,6 +32,7 @@ class StepShape:
     tokens: int  # T: packed tokens
     query: int  # Q: max new tokens of one row (verify: spec_steps + 1)
     pages: int  # P: page-table columns (context up to P * page_size tokens)
+    tracks: int = 1  # M: checkpoints one row may write in the step (boundaries inside its chunk)
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -40,6 +41,8 @@ class StepShape:
             raise ValueError("decode steps have one token per row")
         if self.mode == "verify" and self.tokens != self.batch * self.query:
             raise ValueError("verify steps have spec_steps + 1 tokens per row")
+        if self.tracks < 1:
+            raise ValueError("a step has at least one checkpoint column")
 
 
 @jax.tree_util.register_dataclass
@@ -47,7 +50,8 @@ class StepShape:
 class StepBatch:
     """One step's inputs (numpy on the host, device arrays inside the step). Ids are virtual.
 
-    T packed tokens, B rows, P page columns, S = spec_steps, NS stop-id columns."""
+    T packed tokens, B rows, P page columns, M checkpoint columns, S = spec_steps, NS stop-id
+    columns."""
 
     tokens: Int[Array, "t"]
     token_row: Int[Array, "t"]  # request row of each packed token (padding: the last row)
@@ -58,9 +62,9 @@ class StepBatch:
     num_new: Int[Array, "b"]  # new tokens this step (0: padded row); verify: 1 + spec_steps
     query_start: Int[Array, "b"]  # packed index of the row's first new token
     virtual_pages: Int[Array, "b p"]  # page ids covering positions [0, P * page_size)
-    virtual_track_slot: Int[Array, "b"]  # checkpoint slot (0 when none)
-    track_len: Int[Array, "b"]  # new tokens before the checkpoint position (0: none); verify: the
-    #                             candidate, written only if at least that many tokens commit
+    virtual_track_slot: Int[Array, "b m"]  # checkpoint slots (0: the column is unused)
+    track_len: Int[Array, "b m"]  # new tokens before each checkpoint position (0: none); verify: the
+    #                               candidate, written only if at least that many tokens commit
     virtual_cow_slot: Int[Array, "b"]  # slot to restore into `virtual_slot` first (0: none)
     temperature: Float[Array, "b"]
     top_k: Int[Array, "b"]  # 0: off
@@ -79,7 +83,8 @@ class StepBatch:
         return StepBatch(tokens=i32(t), token_row=np.full(t, b - 1, np.int32),
                          token_offset=np.full(t, shape.query + PAD_TOKEN_OFFSET, np.int32), virtual_slot=i32(b),
                          has_state=np.zeros(b, bool), seq_start=i32(b), num_new=i32(b), query_start=i32(b),
-                         virtual_pages=i32(b, p), virtual_track_slot=i32(b), track_len=i32(b),
+                         virtual_pages=i32(b, p), virtual_track_slot=i32(b, shape.tracks),
+                         track_len=i32(b, shape.tracks),
                          virtual_cow_slot=i32(b), temperature=np.zeros(b, np.float32), top_k=i32(b),
                          top_p=np.ones(b, np.float32), seed=i32(b), lookahead=i32(b, spec_steps + 1),
                          sample_next=np.zeros(b, bool), max_accept=i32(b),
@@ -92,6 +97,7 @@ def check_batch(batch: StepBatch, shape: StepShape, spec_steps: int = 0,
     (before anything is donated, so the state is untouched)."""
     want = {"tokens": (shape.tokens,), "token_row": (shape.tokens,), "token_offset": (shape.tokens,),
             "virtual_pages": (shape.batch, shape.pages), "lookahead": (shape.batch, spec_steps + 1),
+            "virtual_track_slot": (shape.batch, shape.tracks), "track_len": (shape.batch, shape.tracks),
             "stop_ids": (shape.batch, max_stop_ids)}
     for name in StepBatch.__dataclass_fields__:
         got = tuple(getattr(batch, name).shape)
@@ -110,8 +116,8 @@ class RowPlan:
     virtual_slot: int
     virtual_pages: Sequence[int]  # page table covering at least [0, seq_start + len(tokens))
     has_state: bool | None = None  # default: seq_start > 0
-    virtual_track_slot: int = 0  # checkpoint slot (0: none)
-    track_len: int = 0  # new tokens before the checkpoint position
+    virtual_track_slots: Sequence[int] = ()  # checkpoint slots, one per checkpoint this step
+    track_lens: Sequence[int] = ()  # new tokens before each checkpoint position
     virtual_cow_slot: int = 0  # restore this slot into virtual_slot first (prefix hit)
     temperature: float = 0.0
     top_k: int = 0
@@ -144,6 +150,8 @@ def pack_batch(shape: StepShape, rows: Sequence[RowPlan], spec_steps: int = 0,
             raise ValueError(f"row {i} needs {len(r.virtual_pages)} pages; the step holds {shape.pages} per row")
         if len(r.stop_ids) > max_stop_ids:
             raise ValueError(f"row {i} has {len(r.stop_ids)} stop ids; the step holds {max_stop_ids}")
+        if len(r.virtual_track_slots) != len(r.track_lens) or len(r.track_lens) > shape.tracks:
+            raise ValueError(f"row {i} has {len(r.track_lens)} checkpoints; the step holds {shape.tracks} per row")
         if len(r.lookahead) > spec_steps + 1:
             raise ValueError(f"row {i} has {len(r.lookahead)} lookahead tokens; the step holds {spec_steps + 1}")
         b.tokens[pos:pos + n] = r.tokens
@@ -155,8 +163,8 @@ def pack_batch(shape: StepShape, rows: Sequence[RowPlan], spec_steps: int = 0,
         b.num_new[i] = n
         b.query_start[i] = pos
         b.virtual_pages[i, :len(r.virtual_pages)] = r.virtual_pages
-        b.virtual_track_slot[i] = r.virtual_track_slot
-        b.track_len[i] = r.track_len
+        b.virtual_track_slot[i, :len(r.track_lens)] = r.virtual_track_slots
+        b.track_len[i, :len(r.track_lens)] = r.track_lens
         b.virtual_cow_slot[i] = r.virtual_cow_slot
         b.temperature[i] = r.temperature
         b.top_k[i] = r.top_k

@@ -35,7 +35,7 @@ class RowMeta:
     seq_start: Int[Array, "b"]  # position of each row's new-token index 0
     num_new: Int[Array, "b"]  # valid tokens (queries, K/V writes)
     physical_slot: Int[Array, "b"]  # the row's slot (the sink for padded rows)
-    physical_track_slot: Int[Array, "b"]  # checkpoint slot (the sink when the row does not checkpoint)
+    physical_track_slot: Int[Array, "b m"]  # checkpoint slots (the sink for unused columns)
 
 
 class StepContext:
@@ -152,7 +152,7 @@ class StepContext:
 
     def _write_ring(self, arena: Array, meta: RowMeta, f, old_ring: Array, kv: Array) -> Array:
         """Active ring: the first commit_len new tokens written into their rows (the last R
-        of them); checkpoint ring: the old ring with the first track_len tokens written."""
+        of them); checkpoint ring m: the old ring with the first track_len[:, m] tokens written."""
         lay, rows = self.layout, meta.rows
         r = lay.ring
         b = meta.seq_start.shape[0]
@@ -178,10 +178,12 @@ class StepContext:
 
         def checkpoint(arena):
             old = jnp.where(rows.has_state[:, None, None, None, None], old_ring, 0)
-            tl = rows.track_len[row]
-            tkeep = (off < tl) & (off >= tl - r)
-            ck = old.at[jnp.where(tkeep, row, b), slot_idx].set(kv.astype(old.dtype), mode="drop")
-            return write_slot_field(arena, lay, meta.physical_track_slot, f, ck)
+            for m in range(rows.track_len.shape[1]):  # each checkpoint: the old ring with its tokens written
+                tl = rows.track_len[row, m]
+                tkeep = (off < tl) & (off >= tl - r)
+                ck = old.at[jnp.where(tkeep, row, b), slot_idx].set(kv.astype(old.dtype), mode="drop")
+                arena = write_slot_field(arena, lay, meta.physical_track_slot[:, m], f, ck)
+            return arena
 
         # most steps checkpoint no row: skip the whole-ring copy then
         return jax.lax.cond(jnp.any(meta.physical_track_slot > 0), checkpoint, lambda a: a, arena)

@@ -43,7 +43,7 @@ def draft_phase(params: Params, cfg: InklingConfig, layout: ArenaLayout, ops: An
     known_after = jnp.concatenate([batch.lookahead[:, 1:], jnp.zeros((b, width), jnp.int32)], axis=1)
     la = jnp.where(idx > commit[:, None] - 1, jnp.take_along_axis(known_after, jnp.maximum(idx - commit[:, None], 0),
                                                                   axis=1), la)
-    tracking = (track > 0) & (batch.num_new > 0)
+    tracking = (track > 0) & (batch.num_new > 0)[:, None]  # [B, M]
     physical_track_slot = target_meta.physical_track_slot  # the sink where the target does not checkpoint
 
     packed_rows = (jnp.arange(b)[:, None] * width + idx).reshape(-1)
@@ -60,7 +60,7 @@ def draft_phase(params: Params, cfg: InklingConfig, layout: ArenaLayout, ops: An
         shift = start - (s - d)  # 0 when s >= d
         n_rows = jnp.where(batch.num_new > 0, e - start, 0)
         n_commit = jnp.where(batch.num_new > 0, jnp.maximum(e - d - start, 0), 0)
-        n_track = jnp.where(tracking, jnp.maximum(track - shift, 0), 0)
+        n_track = jnp.where(tracking, jnp.maximum(track - shift[:, None], 0), 0)  # [B, M]
         fields = layout.draft[d]
         if d > 0:
             # depth d's row start_d + i reads depth d-1's row start_d + i: index i - 1 when
@@ -90,7 +90,8 @@ def draft_phase(params: Params, cfg: InklingConfig, layout: ArenaLayout, ops: An
             old = read_slot_field(arena, layout, physical_slot, fields.hidden)
             keep = jnp.where((n_commit > 0)[:, None], at(n_commit), old)
             arena = write_slot_field(arena, layout, physical_slot, fields.hidden, keep)
-            arena = write_slot_field(arena, layout, track_slot, fields.hidden, at(n_track))
+            for m in range(n_track.shape[1]):
+                arena = write_slot_field(arena, layout, track_slot[:, m], fields.hidden, at(n_track[:, m]))
         # the draft: depth d's greedy prediction at row e - 1 (index n_rows - 1) is t_{e+d+1}
         last = h_out[jnp.arange(b), jnp.maximum(n_rows - 1, 0)]
         draft = jnp.argmax(L.lm_head(params, cfg, last), axis=-1).astype(jnp.int32)

@@ -70,7 +70,7 @@ def target_meta(batch: StepBatch, query: int, physical_slot: Array, physical_tra
     rows = PackedRows(token_row=batch.token_row, token_offset=batch.token_offset,
                       row_tokens=jnp.clip(batch.query_start[:, None] + jnp.arange(query)[None, :], 0, t - 1),
                       has_state=batch.has_state, commit_len=commit_len, track_len=track_len)
-    tracking = (track_len > 0) & (batch.num_new > 0)
+    tracking = (track_len > 0) & (batch.num_new > 0)[:, None]
     return RowMeta(rows=rows, seq_start=batch.seq_start, num_new=batch.num_new, physical_slot=physical_slot,
                    physical_track_slot=jnp.where(tracking, physical_track_slot, 0))
 
@@ -88,7 +88,7 @@ class Translated:
     """The batch's virtual ids through the state's tables (the step's one translation)."""
 
     physical_slot: Array  # [B]
-    physical_track_slot: Array  # [B]
+    physical_track_slot: Array  # [B, M]
     physical_pages: Array  # [B, P]
 
 
@@ -144,7 +144,7 @@ def run_step(params: Params, state: ServingState, batch: StepBatch, *, cfg: Inkl
         drafts = batch.tokens[row_tokens[:, 1:]]  # [B, S]
         n_acc, bonus, bonus_logp, draft_logp = accept_drafts(logits, drafts, batch, batch.seq_start + 1)
         commit = jnp.where(batch.num_new > 0, n_acc + 1, 0)
-        track = jnp.where(commit >= batch.track_len, batch.track_len, 0)
+        track = jnp.where(commit[:, None] >= batch.track_len, batch.track_len, 0)
         meta = target_meta(batch, shape.query, ids.physical_slot, ids.physical_track_slot, commit, track)
         ctx.commit(meta)
     else:

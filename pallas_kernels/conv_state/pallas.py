@@ -35,7 +35,7 @@ Work split (one flat grid of max(T, B) programs x channel blocks):
 * program p < B does row p's state: it loads the row's old window (zeros without state) once,
   computes y for the row's first K-1 new tokens (the only tokens that read the window: token
   row_tokens[b, j], j < K-1, when its token_row / token_offset say it is (b, j)), then writes
-  the active window (commit_len != 0) and the checkpoint window;
+  the active window (commit_len != 0) and the row's M checkpoint windows;
 * program p < T computes y[p] for every other token (token_offset >= K-1: from x alone).
 
 Decode (T == B, Q == 1) is thus one program per row that reads its window once and writes
@@ -267,7 +267,8 @@ def _update_kernel(plan: ConvPlan, num_tokens: int, num_rows: int, q: int, k: in
         @_when(num_rows >= token_programs, p < num_rows)
         def _row():
             b = p
-            slot, hs, n, dest, dest_len = active[b], has_state[b] != 0, commit[b], t_dest[b], t_len[b]
+            slot, hs, n = active[b], has_state[b] != 0, commit[b]
+            dests = [(t_dest[b, m], t_len[b, m]) for m in range(t_dest.shape[1])]  # checkpoints
             own_tok = [_index(row_tok[b, j], num_tokens) for j in range(row_owned)]
             base = field_base(slot)
             old = [_masked_load(arena_in.at[pl.ds(base + r * plan.row_stride, nb), :], hs, blk, arena_dtype)
@@ -296,10 +297,11 @@ def _update_kernel(plan: ConvPlan, num_tokens: int, num_rows: int, q: int, k: in
                 _store_window(plan, arena_out, base,
                               _window_after(plan, old_x, x_of, n, q, x_dtype, arena_dtype, arena_dtype))
 
-            @pl.when(dest >= plan.sink_rows)
-            def _():
-                _store_window(plan, arena_out, field_base(dest),
-                              _window_after(plan, old_x, x_of, dest_len, q, x_dtype, arena_dtype, arena_dtype))
+            for dest, dest_len in dests:
+                @pl.when(dest >= plan.sink_rows)
+                def _(dest=dest, dest_len=dest_len):
+                    _store_window(plan, arena_out, field_base(dest),
+                                  _window_after(plan, old_x, x_of, dest_len, q, x_dtype, arena_dtype, arena_dtype))
 
         @_when(token_programs >= num_rows, p < token_programs)
         def _token():
@@ -371,7 +373,8 @@ def _update_pallas(plan: ConvPlan, arena, x, weight, rows: PackedRows, active_ro
     g = plan.granule
     programs = max(-(-num_tokens // tile), num_rows) * plan.nblocks
     arena2 = arena.reshape(-1, g)
-    args = _index_arrays(rows, active_row, track_row) + [x.reshape(num_tokens, width // g, g), weight.reshape(k, width // g, g), arena2]
+    args = _index_arrays(rows, active_row, track_row) + [x.reshape(num_tokens, width // g, g),
+                                                         weight.reshape(k, width // g, g), arena2]
     y, arena2 = pallas_call(
         _update_kernel(plan, num_tokens, num_rows, q, k, tile, x.dtype, arena.dtype, interpret),
         out_shape=(jax.ShapeDtypeStruct((num_tokens, width // g, g), x.dtype),
@@ -433,12 +436,13 @@ def _write_kernel(plan: ConvPlan, num_tokens: int, q: int, x_dtype, win_dtype, a
             _store_window(plan, arena_out, field_base(slot),
                           _window_after(plan, old_x, x_of, n, q, x_dtype, win_dtype, arena_dtype))
 
-        dest = t_dest[b]
+        for m in range(t_dest.shape[1]):  # the checkpoints
+            dest, dest_len = t_dest[b, m], t_len[b, m]
 
-        @pl.when(dest >= plan.sink_rows)
-        def _():
-            _store_window(plan, arena_out, field_base(dest),
-                          _window_after(plan, old_x, x_of, t_len[b], q, x_dtype, win_dtype, arena_dtype))
+            @pl.when(dest >= plan.sink_rows)
+            def _(dest=dest, dest_len=dest_len):
+                _store_window(plan, arena_out, field_base(dest),
+                              _window_after(plan, old_x, x_of, dest_len, q, x_dtype, win_dtype, arena_dtype))
 
     return kernel
 

@@ -5,8 +5,9 @@ convolves the step's packed ragged tokens, and writes back
 
 * the *active* window: the last K-1 inputs of [window ++ first commit_len new tokens]
   (all new tokens in extend / decode; the accepted ones in verify);
-* the *checkpoint* window: the last K-1 inputs of [window ++ first track_len new tokens],
-  into the checkpoint field (a sink field when the row does not checkpoint this step).
+* the *checkpoint* windows, M per row: the last K-1 inputs of [window ++ first
+  track_len[b, m] new tokens], into checkpoint field m (a sink field for the columns a row
+  does not use: several boundaries may fall inside one chunk).
 
 A window is [K-1, C_stream], oldest input first. A row without state (has_state False: a
 fresh request) reads zeros instead of its field's stale contents, so recycled slots need no
@@ -15,8 +16,8 @@ clearing.
 Arena addressing is the caller's: a conv *field* `[K-1, C]` (`window_shape`) holds the
 windows of several streams side by side (channel ranges; one op touches only its
 `channels = (c0, c1)`), stored from an arena row on over whole units (see `slot_ops.ref`).
-`active_row[b]` / `track_row[b]` are the first rows of row b's active and checkpoint
-fields.
+`active_row[b]` / `track_row[b, m]` are the first rows of row b's active field and of its
+m-th checkpoint field.
 """
 
 from __future__ import annotations
@@ -35,14 +36,14 @@ from ..slot_ops.ref import read_field, write_field
 class PackedRows:
     """How a step's packed tokens form request rows, and how much of each row enters state.
 
-    Shapes: T packed tokens, B rows, Q the most new tokens of one row."""
+    Shapes: T packed tokens, B rows, Q the most new tokens of one row, M checkpoints per row."""
 
     token_row: Int[Array, "t"]  # request row of each packed token
     token_offset: Int[Array, "t"]  # index of the token among its row's new tokens
     row_tokens: Int[Array, "b q"]  # packed index of each row's i-th new token (clipped in range)
     has_state: Bool[Array, "b"]  # the row's state holds the window before its first new token
     commit_len: Int[Array, "b"]  # new tokens that enter the active window (0: leave it)
-    track_len: Int[Array, "b"]  # new tokens before the checkpoint position
+    track_len: Int[Array, "b m"]  # new tokens before each checkpoint position
 
 
 def conv_from_taps(x: Float[Array, "... d"], taps: Float[Array, "... k d"], weight: Float[Array, "k d"]) -> Array:
@@ -86,7 +87,7 @@ def read_window(arena: Array, first_rows: Int[Array, "b"], window_shape: tuple[i
 
 
 def conv_write(arena: Array, x: Float[Array, "t c"], window: Float[Array, "b km1 c"], rows: PackedRows,
-               active_row: Int[Array, "b"], track_row: Int[Array, "b"], *, window_shape: tuple[int, int],
+               active_row: Int[Array, "b"], track_row: Int[Array, "b m"], *, window_shape: tuple[int, int],
                channels: tuple[int, int], sink_rows: int = 0) -> Array:
     """Write the active and checkpoint windows of one stream into its channel range (the
     sink's fields too: `sink_rows` only tells the kernels what they may skip)."""
@@ -98,13 +99,15 @@ def conv_write(arena: Array, x: Float[Array, "t c"], window: Float[Array, "b km1
     full = full.at[..., c0:c1].set(jnp.where(keep, full[..., c0:c1], new.astype(full.dtype)))
     arena = write_field(arena, active_row, full)
 
-    tfull = read_field(arena, track_row, window_shape)
-    tfull = tfull.at[..., c0:c1].set(window_after(x, window, rows, rows.track_len).astype(tfull.dtype))
-    return write_field(arena, track_row, tfull)
+    for m in range(track_row.shape[1]):
+        tfull = read_field(arena, track_row[:, m], window_shape)
+        tfull = tfull.at[..., c0:c1].set(window_after(x, window, rows, rows.track_len[:, m]).astype(tfull.dtype))
+        arena = write_field(arena, track_row[:, m], tfull)
+    return arena
 
 
 def conv_update(arena: Array, x: Float[Array, "t c"], weight: Float[Array, "k c"], rows: PackedRows,
-                active_row: Int[Array, "b"], track_row: Int[Array, "b"], *, window_shape: tuple[int, int],
+                active_row: Int[Array, "b"], track_row: Int[Array, "b m"], *, window_shape: tuple[int, int],
                 channels: tuple[int, int], sink_rows: int = 0) -> tuple[Float[Array, "t c"], Array]:
     """Fused conv + state write for one stream (extend and decode): returns (y, arena)."""
     window = read_window(arena, active_row, window_shape, channels)
