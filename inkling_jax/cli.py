@@ -77,6 +77,8 @@ def read_prompts(path: str) -> list[str]:
         text = sys.stdin.read() if path == "-" else open(path, encoding="utf-8").read()
     except OSError as e:
         raise CliError(f"cannot read --prompts-file: {e}") from None
+    except UnicodeDecodeError as e:
+        raise CliError(f"--prompts-file {path} is not UTF-8 text (byte {e.start}: {e.reason})") from None
     prompts = [line.replace("\\n", "\n") for line in text.splitlines() if line.strip()]
     if not prompts:
         raise CliError(f"--prompts-file {path}: no prompts (one per non-empty line)")
@@ -243,6 +245,7 @@ def _main(args: argparse.Namespace) -> int:
     for name in ("max_new_tokens", "max_running", "page_size"):
         if getattr(args, name) < 1:
             raise CliError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+
     for name in ("track_interval", "chunk_size", "spec_steps"):
         if getattr(args, name) < 0:
             raise CliError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
@@ -254,8 +257,10 @@ def _main(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     try:
         cfg, params = load_model(args.model, dtype=jnp.dtype(dtype))
-    except (OSError, ValueError, KeyError) as e:
-        raise CliError(f"cannot load model {args.model!r}: {e}") from None
+    except CliError:
+        raise
+    except Exception as e:  # noqa: BLE001 - any unreadable model is one line, not a traceback
+        raise CliError(f"cannot load model {args.model!r}: {type(e).__name__}: {e}") from None
     try:
         tok = ByteTokenizer(cfg) if args.model in PRESETS else tokenizer_for(args.model, cfg)
     except ImportError as e:
@@ -276,6 +281,8 @@ def _main(args: argparse.Namespace) -> int:
         engine = Engine(cfg, params, econf)
     except (ValueError, NotImplementedError) as e:
         raise CliError(str(e)) from None
+    except MemoryError as e:
+        raise CliError(f"out of host memory building the engine: {e}") from None
     load_s = time.perf_counter() - t0
 
     print(f"model {args.model} ({dtype}, {cfg.num_layers} layers, hidden {cfg.hidden_size}, "

@@ -78,8 +78,11 @@ def test_generate_prints_completions_and_stats(capsys, tmp_path):
     (["--model", "/nonexistent/model"], "neither a preset"),
     (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
     (["--page-size", "0"], "--page-size must be >= 1"),
-    (["--track-interval", "24"], "track_interval must be a positive multiple of page_size"),
+    (["--track-interval", "24"], "track_interval must be a multiple of page_size"),
     (["--prompt", ""], "prompt 0 is empty"),
+    (["--max-new-tokens", "1000000000"], "GiB free: lower num_pages"),
+    (["--temperature", "nan"], "temperature must be a finite number"),
+    (["--top-p", "2"], "top_p must be a number in (0, 1]"),
 ])
 def test_errors_are_one_line(capsys, argv, message):
     rc = cli.main(argv + ["--no-progress"])
@@ -98,3 +101,28 @@ def test_prompt_sources_are_exclusive(capsys, tmp_path):
     (tmp_path / "blank.txt").write_text("\n  \n")
     assert cli.main(["--prompts-file", str(tmp_path / "blank.txt")]) == 2
     assert "no prompts" in capsys.readouterr().err
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9\n".encode("latin-1"))
+    assert cli.main(["--prompts-file", str(tmp_path / "latin1.txt")]) == 2
+    err = capsys.readouterr().err
+    assert "is not UTF-8 text" in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("contents", [{"config.json": "{nope"}, {"config.json": "{}"},
+                                      {"config.json": None, "model.safetensors": b"truncated"}])
+def test_bad_model_files_are_one_line(capsys, tmp_path, contents):
+    """An unreadable config or weights file: one line naming the model, exit status 2."""
+    cfg = ik.InklingConfig.tiny()
+    model = tmp_path / "model"
+    ik.save_pretrained(model, cfg, ik.init_params(cfg, jax.random.key(0)))
+    for name, data in contents.items():
+        if data is None:
+            continue
+        if name.endswith(".safetensors"):
+            for f in model.glob("*.safetensors"):
+                f.write_bytes(f.read_bytes()[:100])
+        else:
+            (model / name).write_text(data)
+    assert cli.main(["--model", str(model), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("inkling-generate: error: cannot load model") and "Traceback" not in err
+    assert err.count("\n") == 1

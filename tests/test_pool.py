@@ -17,6 +17,13 @@ def make_pool(unified=True, lazy=False, slots=6, pages=10):
     return UnitPool(units, SLOT_UNITS, PAGE_UNITS, unified=unified, lazy=lazy, num_slots=slots, num_pages=pages)
 
 
+def take_moves(pool: UnitPool):
+    """The pool's pending moves, acknowledged as done (what the engine does after its copy)."""
+    moves = pool.pending_moves()
+    pool.ack_moves()
+    return moves
+
+
 class SimArena:
     """Unit rows holding labels: applies the pool's moves exactly as the device would."""
 
@@ -25,7 +32,7 @@ class SimArena:
         self.rows = np.full(pool.num_units, -1, np.int64)
 
     def sync(self):
-        src, dst = self.pool.take_moves()
+        src, dst = take_moves(self.pool)
         self.rows[dst] = self.rows[src]  # one gather-then-scatter, like `move_units`
 
     def write(self, kind: str, virtual: int, label: int):
@@ -92,7 +99,7 @@ def test_eager_unified_stays_dense():
     ps = [pool.alloc_page() for _ in range(5)]
     pool.free_slot(vs[0])
     pool.free_page(ps[1])
-    src, dst = pool.take_moves()
+    src, dst = take_moves(pool)
     assert len(src) == SLOT_UNITS + PAGE_UNITS  # one slot and one page moved into the holes
     pool.check()
     assert pool.slots.top == 3 and pool.pages.top == 4
@@ -103,12 +110,12 @@ def test_lazy_reuses_holes_and_compacts_on_demand():
     pool = make_pool(lazy=True, slots=2, pages=2)  # 3*3 + 3*2 = 15 units
     s = [pool.alloc_slot() for _ in range(3)]  # slots fill units 0..11 (sink + 3)
     pool.free_slot(s[0])  # a hole at physical 1, nothing moves
-    assert pool.take_moves()[0].size == 0 and pool.slots.holes == {1}
+    assert take_moves(pool)[0].size == 0 and pool.slots.holes == {1}
     s3 = pool.alloc_slot()  # reuses the hole
     assert pool.slots.v2p[s3] == 1 and not pool.slots.holes
     pool.free_slot(s[1])  # hole at 2
     p = pool.alloc_page()  # needs the units: slots are compacted first (3 -> 2)
-    src, dst = pool.take_moves()
+    src, dst = take_moves(pool)
     assert len(src) == SLOT_UNITS and pool.slots.top == 2
     pool.check()
     assert p > 0

@@ -22,9 +22,11 @@ few pages) also holds a few long ones (few slots, many pages).
 `pool="static"`: the same arena split once into `num_slots` slots and `num_pages` pages,
 identity tables, no moves. The baseline the unified pool is measured against.
 
-Moves are queued and coalesced: `take_moves()` returns (src_rows, dst_rows) of arena unit
-rows such that one gather-then-scatter (`arena.at[dst].set(arena[src])`) realises them all.
-The engine applies them, with the new tables, before the next step.
+Moves are queued and coalesced: `pending_moves()` returns (src_rows, dst_rows) of arena
+unit rows such that one gather-then-scatter (`arena.at[dst].set(arena[src])`) realises them
+all. The engine applies them, with the new tables, before the next step, and only then
+`ack_moves()`: a copy that fails leaves them queued (the tables already say where objects
+will live, so the copy must happen before any step reads them).
 """
 
 from __future__ import annotations
@@ -232,19 +234,26 @@ class UnitPool:
 
     # ---------------------------------------------------------------- device sync
 
-    def take_moves(self) -> tuple[np.ndarray, np.ndarray]:
-        """Coalesced pending moves as (src_rows, dst_rows), and clear them."""
+    def pending_moves(self) -> tuple[np.ndarray, np.ndarray]:
+        """Coalesced pending moves as (src_rows, dst_rows); they stay queued until ack_moves()."""
         if not self._pending:  # the common step: nothing moved (no scan of the live objects)
             return np.zeros(0, np.int32), np.zeros(0, np.int32)
         pairs = [(s, d) for d, s in self._pending.items() if s != d and self._row_is_live(d)]
-        self._pending.clear()
         if not pairs:
+            self._pending.clear()
             return np.zeros(0, np.int32), np.zeros(0, np.int32)
         src, dst = zip(*sorted(pairs, key=lambda p: p[1]))
         return np.asarray(src, np.int32), np.asarray(dst, np.int32)
 
+    def ack_moves(self) -> None:
+        """The device copy of pending_moves() is done."""
+        self._pending.clear()
+
+    def has_pending_moves(self) -> bool:
+        return bool(self._pending)
+
     def tables(self) -> tuple[np.ndarray, np.ndarray]:
-        self.tables_dirty = False
+        """Copies of the (slot, page) virtual -> physical tables (the device takes these)."""
         return self.slots.v2p.copy(), self.pages.v2p.copy()
 
     def physical_slot(self, virtual: int) -> int:
@@ -256,9 +265,10 @@ class UnitPool:
 
     # ---------------------------------------------------------------- invariants
 
-    def check(self) -> None:
+    def check(self, allow_pending_moves: bool = False) -> None:
         """The tables are a bijection between live virtual ids and live physical indices,
-        slots and pages never overlap, and nothing sits on a sink."""
+        slots and pages never overlap, nothing sits on a sink, and (unless allowed) every
+        planned move was copied."""
         for kind in (self.slots, self.pages):
             live_v = {v for v in range(1, kind.max_virtual + 1) if kind.v2p[v] != 0}
             assert live_v == set(kind.p2v.values()), f"{kind.name}: v2p and p2v disagree"
@@ -271,4 +281,4 @@ class UnitPool:
             if self.unified and not self.lazy:
                 assert kind.top == kind.live and not kind.holes, f"{kind.name}: eager pool not dense"
         assert self._units_used() <= self.num_units, "slots and pages overlap"
-        assert not self._pending, "moves planned but not applied"
+        assert allow_pending_moves or not self._pending, "moves planned but not applied"

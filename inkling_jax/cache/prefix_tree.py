@@ -140,11 +140,16 @@ class PrefixTree:
             if not leaves:
                 break
             victim = min(leaves, key=lambda n: n.last_used)
-            freed_pages += victim.pages
-            if victim.checkpoint is not None:
-                freed_slots.append(victim.checkpoint)
-            del victim.parent.children[self._key(victim.tokens)]
-            self._merge_up(victim.parent)
+            while True:  # a parent left childless without a checkpoint is dead weight: it goes too
+                freed_pages += victim.pages
+                if victim.checkpoint is not None:
+                    freed_slots.append(victim.checkpoint)
+                parent = victim.parent
+                del parent.children[self._key(victim.tokens)]
+                if parent is self.root or parent.children or parent.checkpoint is not None or parent.lock_ref:
+                    break
+                victim = parent
+            self._merge_up(parent)
         return freed_pages, freed_slots
 
     def _merge_up(self, node: Node) -> None:

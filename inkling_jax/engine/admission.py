@@ -17,7 +17,7 @@ from typing import Any
 from ..cache.pool import PoolExhausted, UnitPool
 from ..cache.prefix_tree import PrefixTree
 from .config import EngineConfig
-from .records import Request, Resources
+from .records import Request, Resources, Session
 
 
 class Admission:
@@ -27,6 +27,7 @@ class Admission:
         tracks = (2 if config.ping_pong == "eager" else 1) if tree is not None else 0
         self.slots_per_request = 1 + tracks
         self.running: list[Request] = []
+        self.sessions: dict[int, Session] = {}  # open sessions by id (their state counts against capacity)
 
     def pages_for(self, length: int) -> int:
         return math.ceil(length / self.config.page_size)
@@ -50,12 +51,11 @@ class Admission:
                 got_s.append(self.pool.alloc_slot())
             for _ in range(pages):
                 got_p.append(self.pool.alloc_page())
-        except PoolExhausted:  # cannot happen after can_alloc; roll back exactly what was taken
-            for s in got_s:
-                self.pool.free_slot(s)
-            for p in got_p:
-                self.pool.free_page(p)
-            return None
+        except BaseException as exc:  # roll back exactly what was taken (I9), then report
+            self.free(got_s, got_p)
+            if isinstance(exc, PoolExhausted):  # cannot happen after can_alloc
+                return None
+            raise
         return got_s, got_p
 
     def evict_for(self, slots: int, pages: int) -> None:
@@ -110,20 +110,24 @@ class Admission:
         match = None
         if self.tree is not None:
             match = self.tree.match(r.tokens, max_depth=len(r.tokens) - 1)
-            if match.depth > 0:
-                self.tree.lock(match.node)
         depth = match.depth if match else 0
-        n_slots = self.slots_per_request
         total_pages = self.pages_for(self.final_length(r)) - depth // self.config.page_size
-        got = self.try_alloc(n_slots, 0, reserve=total_pages)
+        if depth:
+            self.tree.lock(match.node)  # eviction for this request's slots must spare its prefix
+        try:
+            got = self.try_alloc(self.slots_per_request, 0, reserve=total_pages)
+        except BaseException:
+            if depth:
+                self.tree.unlock(match.node)
+            raise
         if got is None:
-            if depth > 0:
+            if depth:
                 self.tree.unlock(match.node)
             return False
         slots = got[0]
         held = Resources(virtual_slot=slots[0], reserved_pages=total_pages)
         if self.tree is not None:
-            held.virtual_track_slots = slots[1:] + [-1] * (3 - n_slots)
+            held.virtual_track_slots = slots[1:] + [-1] * (3 - self.slots_per_request)
         if depth:
             held.virtual_pages = list(match.pages)
             held.prefix_node = match.node
@@ -150,15 +154,66 @@ class Admission:
         r.held, r.session.held = held, None
         return True
 
-    def admit_waiting(self, waiting: list[Request]) -> None:
-        """Admit queued requests in order while rows are free (a request that must wait
-        holds up the ones behind it)."""
-        while waiting and len(self.running) < self.config.max_running:
-            r = waiting[0]
-            if not self.admit(r):
-                self.stats["deferred"] += 1
-                if not self.running:
-                    raise RuntimeError("a request cannot be admitted into an idle engine: pool too small")
-                return
-            waiting.pop(0)
-            self.running.append(r)
+    def admit_waiting(self, waiting: list[Request]) -> list[Request]:
+        """Admit queued requests in order while rows are free; a request that must wait holds
+        up the ones behind it while others run (they will free room). With nothing running,
+        a request that does not fit is passed over (a session turn behind it needs no new
+        room), and one that cannot fit even into an empty pool beside the sessions' state is
+        given up: it leaves the queue with `error` set. Returns the given-up requests."""
+        given_up = []
+        i = 0
+        while i < len(waiting) and len(self.running) < self.config.max_running:
+            r = waiting[i]
+            if self.admit(r):
+                waiting.pop(i)
+                self.running.append(r)
+                continue
+            self.stats["deferred"] += 1
+            if self.running:
+                break
+            problem = self.never_fits(r)
+            if problem:
+                waiting.pop(i)
+                r.error = problem
+                given_up.append(r)
+            else:
+                i += 1
+        return given_up
+
+    # ------------------------------------------------------------- capacity checks
+
+    def session_holdings(self, sessions) -> tuple[int, int]:
+        """(slots, pages) sessions keep between turns: not free for other requests until closed."""
+        held = [s.held for s in sessions if s.held is not None]
+        return sum(len(h.slots()) for h in held), sum(len(h.owned_pages) for h in held)
+
+    def needs(self, r: Request) -> tuple[int, int]:
+        """(slots, pages) r needs at admission in the worst case (nothing cached)."""
+        if r.session is not None and r.session.held is not None:
+            held = r.session.held
+            return 2 - len([s for s in held.virtual_track_slots if s > 0]), \
+                max(self.pages_for(self.final_length(r)) - len(held.virtual_pages), 0)
+        return self.slots_per_request, self.pages_for(self.final_length(r))
+
+    def never_fits(self, r: Request) -> str | None:
+        """Why r could not be admitted even into a pool holding only the sessions' state (and
+        its own session's), or None when it can."""
+        slots, pages = self.needs(r)
+        own = r.session.held if r.session is not None else None
+        held_s, held_p = self.session_holdings(s for s in self.sessions.values() if s.held is not own)
+        pool = self.pool
+        if pool.unified:
+            need = slots * pool.slots.units + pages * pool.pages.units
+            have = pool.num_units - pool.slots.units - pool.pages.units - held_s * pool.slots.units \
+                - held_p * pool.pages.units - (len(own.slots()) * pool.slots.units + len(own.owned_pages)
+                                               * pool.pages.units if own is not None else 0)
+            if need > have:
+                return (f"needs {slots} slots and {pages} pages ({need} arena units), but at most {have} units can "
+                        f"be free (open sessions hold {held_s} slots and {held_p} pages)")
+            return None
+        free_s = pool.capacity("slot") - held_s - (len(own.slots()) if own is not None else 0)
+        free_p = pool.capacity("page") - held_p - (len(own.owned_pages) if own is not None else 0)
+        if slots > free_s or pages > free_p:
+            return (f"needs {slots} slots and {pages} pages, but at most {free_s} slots and {free_p} pages can be "
+                    f"free (open sessions hold {held_s} slots and {held_p} pages)")
+        return None

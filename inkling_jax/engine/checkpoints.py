@@ -87,6 +87,7 @@ class CheckpointPolicy:
             got = self.admission.try_alloc(1, 0)
             if got is None:
                 break
+            held.step_slots.append(got[0][0])  # the request's until the step commits or is abandoned
             slots.append((got[0][0], None))
         self.admission.stats["skipped_checkpoints"] += len(wanted) - len(slots)
         wanted = wanted[len(wanted) - len(slots):]
@@ -98,23 +99,32 @@ class CheckpointPolicy:
         """The step committed r's tokens: record the checkpoints it wrote (those at or below
         the committed length; a verify step may commit fewer tokens than it could) and
         donate the prompt boundaries."""
-        donated = False
         for ck in checkpoints:
             if ck.depth > r.held.committed:
                 continue
             if ck.donate:
                 self._donate(r, ck)
-                donated = True
             else:
                 self._rotate(r, ck)
-        if donated and self.config.ping_pong == "eager":  # eager keeps two checkpoint slots at hand
-            held = r.held
-            for i, s in enumerate(held.virtual_track_slots):
-                if s == -1:
-                    got = self.admission.try_alloc(1, 0)
-                    if got is None:
-                        break
-                    held.virtual_track_slots[i] = got[0][0]
+        self.abandon(r)  # slots taken for checkpoints the step did not reach
+
+    def refill(self, r: Request) -> None:
+        """Eager ping-pong keeps both checkpoint slots at hand: take back the ones the tree
+        took (before planning a step; the host commit itself never allocates)."""
+        if self.tree is None or self.config.ping_pong != "eager":
+            return
+        held = r.held
+        for i, s in enumerate(held.virtual_track_slots[:2]):
+            if s == -1:
+                got = self.admission.try_alloc(1, 0)
+                if got is None:
+                    return
+                held.virtual_track_slots[i] = got[0][0]
+
+    def abandon(self, r: Request) -> None:
+        """Give back the slots taken for a step that was not committed."""
+        self.admission.free(r.held.step_slots, [])
+        r.held.step_slots = []
 
     def _rotate(self, r: Request, ck: Checkpoint) -> None:
         """A generation checkpoint is the newest: the other ping-pong slot is free for the next."""
@@ -139,10 +149,11 @@ class CheckpointPolicy:
         if held.prefix_node is not None:
             self.tree.unlock(held.prefix_node)
         held.prefix_node = node
-        if dup_slots:  # the tree had one there: the slot stays the request's, or goes back
-            if ck.track_index is None:
+        if ck.track_index is None:  # a slot taken for this step: the tree's now, or back to the pool
+            held.step_slots.remove(ck.virtual_slot)
+            if dup_slots:
                 self.admission.pool.free_slot(ck.virtual_slot)
-        elif ck.track_index is not None:  # the tree took one of the request's ping-pong slots
+        elif not dup_slots:  # the tree took one of the request's ping-pong slots
             held.virtual_track_slots[ck.track_index] = -1
 
     def insert_at_finish(self, r: Request) -> set[int]:

@@ -3,8 +3,11 @@ each validated where it is made."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 from ..steps import DEFAULT_MAX_STOP_IDS
 
@@ -32,20 +35,43 @@ class EngineConfig:
     warmup: bool = False  # compile every bucket at construction
     max_stop_ids: int = DEFAULT_MAX_STOP_IDS  # stop tokens a request may have (its eos included)
 
+    def __post_init__(self):
+        self.validate()
+
     def validate(self) -> None:
+        """Raise ValueError naming the first field that is not a value the engine can use."""
         def need(cond, msg):
             if not cond:
                 raise ValueError(f"EngineConfig: {msg}")
-        need(self.max_running >= 1, "max_running must be >= 1")
-        need(self.num_slots >= 1 and self.num_pages >= 1, "num_slots and num_pages must be >= 1")
-        need(self.page_size >= 1, "page_size must be >= 1")
+
+        for name in ("max_running", "num_slots", "num_pages", "page_size", "track_interval", "max_step_checkpoints",
+                     "chunk_size", "max_step_tokens", "min_context_bucket", "min_token_bucket", "min_batch_bucket",
+                     "max_stop_ids"):
+            value = getattr(self, name)
+            need(is_int(value) and value >= 1, f"{name} must be an int >= 1, got {value!r}")
+        need(is_int(self.spec_steps) and self.spec_steps >= 0, f"spec_steps must be an int >= 0, got {self.spec_steps!r}")
+        need(self.max_context is None or (is_int(self.max_context) and self.max_context >= 1),
+             f"max_context must be None or an int >= 1, got {self.max_context!r}")
+        for name in ("prefix_cache", "pallas_interpret", "warmup"):
+            need(isinstance(getattr(self, name), bool), f"{name} must be True or False, got {getattr(self, name)!r}")
         need(self.pool in ("unified", "static"), f"pool must be 'unified' or 'static', got {self.pool!r}")
         need(self.ping_pong in ("eager", "lazy"), f"ping_pong must be 'eager' or 'lazy', got {self.ping_pong!r}")
-        need(self.track_interval >= self.page_size and self.track_interval % self.page_size == 0,
-             "track_interval must be a positive multiple of page_size")
-        need(self.spec_steps >= 0, "spec_steps must be >= 0")
-        need(1 <= self.chunk_size <= self.max_step_tokens, "need 1 <= chunk_size <= max_step_tokens")
+        need(isinstance(self.use_pallas, bool) or self.use_pallas == "auto",
+             f"use_pallas must be True, False or 'auto', got {self.use_pallas!r}")
+        need(self.track_interval % self.page_size == 0, "track_interval must be a multiple of page_size")
+        need(self.chunk_size <= self.max_step_tokens, "need chunk_size <= max_step_tokens")
         need(self.max_step_tokens >= self.max_running, "max_step_tokens must be >= max_running")
+
+
+def is_int(x: Any) -> bool:
+    """An integer that is not a bool (numpy integers included)."""
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def is_real(x: Any) -> bool:
+    """A finite real number that is not a bool."""
+    return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, (bool, np.bool_)) \
+        and math.isfinite(float(x))
 
 
 @dataclass(frozen=True)
@@ -58,8 +84,27 @@ class SamplingParams:
     stop_at_eos: bool = True  # stop after the model's eos token
     stop_token_ids: tuple[int, ...] = ()  # further tokens that end a generation (kept in the output)
 
+    def __post_init__(self):
+        stops = self.stop_token_ids
+        if isinstance(stops, np.ndarray):
+            stops = stops.tolist()
+        if not isinstance(stops, (list, tuple)) or not all(is_int(t) for t in stops):
+            raise ValueError(f"SamplingParams: stop_token_ids must be a sequence of int token ids, got {stops!r}")
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in stops))
+        self.validate()
+
     def validate(self) -> None:
-        if self.max_new_tokens < 1:
-            raise ValueError(f"SamplingParams: max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.temperature < 0 or self.top_k < 0 or not (0 < self.top_p <= 1):
-            raise ValueError("SamplingParams: need temperature >= 0, top_k >= 0, 0 < top_p <= 1")
+        """Raise ValueError naming the first field that is not usable."""
+        def need(cond, msg):
+            if not cond:
+                raise ValueError(f"SamplingParams: {msg}")
+
+        need(is_int(self.max_new_tokens) and self.max_new_tokens >= 1,
+             f"max_new_tokens must be an int >= 1, got {self.max_new_tokens!r}")
+        need(is_real(self.temperature) and self.temperature >= 0,
+             f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        need(is_int(self.top_k) and self.top_k >= 0, f"top_k must be an int >= 0 (0: off), got {self.top_k!r}")
+        need(is_real(self.top_p) and 0 < self.top_p <= 1, f"top_p must be a number in (0, 1], got {self.top_p!r}")
+        need(is_int(self.seed), f"seed must be an int, got {self.seed!r}")
+        need(isinstance(self.stop_at_eos, bool), f"stop_at_eos must be True or False, got {self.stop_at_eos!r}")
+        need(all(t >= 0 for t in self.stop_token_ids), f"stop_token_ids must be >= 0, got {self.stop_token_ids}")

@@ -13,12 +13,25 @@ One `Engine.step()`:
   3. apply pending compaction moves and id tables, run the compiled step for the bucket;
   4. read sampled tokens and log-probs (one transfer), update records, donate or insert
      checkpoints, finish requests.
+
+A step is a transaction. The donated arena and the record that the step's outputs are
+pending change together (`interrupts.critical`: a Ctrl-C lands before or after, never
+between); if reading the outputs fails, they stay pending and the next call finishes the
+step; the host commit is one critical section; compaction moves are acknowledged only after
+their device copy. Should the device state itself be lost (an exception after the arena was
+donated, outputs that cannot be read twice), `reset` restarts every request from its tokens
+(the state is a pure function of them) with an empty prefix cache: outputs stay exact.
+
+One engine, one lock: every public method holds it, so calls from several threads are
+serialized step by step (two threads calling `generate` share steps).
 """
 
 from __future__ import annotations
 
 import itertools
+import threading
 import time
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import jax
@@ -28,19 +41,36 @@ from ..cache.layout import ArenaLayout
 from ..cache.pool import UnitPool
 from ..cache.prefix_tree import PrefixTree
 from ..config import InklingConfig
-from ..steps import pack_batch
+from ..model.params import check_params
+from ..steps import StepOutput, pack_batch
 from .admission import Admission
 from .checkpoints import CheckpointPolicy
-from .config import EngineConfig, SamplingParams
+from .config import EngineConfig, SamplingParams, is_int
+from .interrupts import critical
 from .records import Completion, Request, Session
-from .runner import StepRunner
-from .scheduler import HostOutputs, Scheduler
+from .runner import StepRunner, check_arena_fits
+from .scheduler import HostOutputs, Scheduler, StepPlan
+
+
+@dataclass
+class InFlight:
+    """A step dispatched to the device whose outputs are not committed yet."""
+
+    plan: StepPlan
+    out: StepOutput
+    failed_reads: int = 0
 
 
 class Engine:
     def __init__(self, cfg: InklingConfig, params: Any, config: EngineConfig | None = None):
         config = config or EngineConfig()
+        if not isinstance(config, EngineConfig):
+            raise ValueError(f"config must be an EngineConfig, got {type(config).__name__}")
         config.validate()
+        try:
+            check_params(cfg, params)
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ValueError(f"params do not fit the config: {exc}") from None
         if config.spec_steps > cfg.num_mtp_layers:
             raise ValueError(f"spec_steps={config.spec_steps} exceeds the model's MTP depths "
                              f"({cfg.num_mtp_layers}{'; the checkpoint has no MTP weights' if not cfg.num_mtp_layers else ''})")
@@ -51,6 +81,7 @@ class Engine:
         self.cfg, self.params, self.config = cfg, params, config
         self.layout = lay = ArenaLayout.build(cfg, config.page_size, config.spec_steps)
         num_units = (config.num_slots + 1) * lay.slot_units + (config.num_pages + 1) * lay.page_units
+        check_arena_fits(num_units, lay, params["unembed"].dtype)  # before any host table of that size
         self.pool = UnitPool(num_units, lay.slot_units, lay.page_units, unified=config.pool == "unified",
                              lazy=config.ping_pong == "lazy", num_slots=config.num_slots,
                              num_pages=config.num_pages)
@@ -69,9 +100,12 @@ class Engine:
         self.runner = StepRunner(cfg, params, config, lay, self.pool, self.max_context,
                                  extend_checkpoints=self.checkpoints.max_per_step)
         self.waiting: list[Request] = []
-        self.sessions: dict[int, Session] = {}
+        self.sessions: dict[int, Session] = self.admission.sessions
         self._rids = itertools.count()
         self._sids = itertools.count(1)
+        self._lock = threading.RLock()
+        self._inflight: InFlight | None = None
+        self._stats["resets"] = 0
         if config.warmup:
             self.warmup()
 
@@ -88,65 +122,205 @@ class Engine:
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams | None = None,
                  session: int | None = None) -> list[Completion]:
-        """Generate for every prompt (continuous batching); returns completions in order."""
-        sampling = sampling or SamplingParams()
+        """Generate for every prompt (continuous batching); returns completions in order.
+
+        prompts: a list of token-id sequences (lists, tuples or 1-D numpy integer arrays)."""
+        sampling = SamplingParams() if sampling is None else sampling
         requests = self.submit(prompts, sampling, session)
-        while any(r.finish_reason is None for r in requests):
+        while any(r.finish_reason is None and r.error is None for r in requests):
             self.step()
+        failed = [r for r in requests if r.error is not None]
+        if failed:
+            raise RuntimeError(f"request {failed[0].rid} was given up: {failed[0].error}")
         return [r.completion() for r in requests]
 
     def submit(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams,
                session: int | None = None) -> list[Request]:
-        """Validate and queue requests (nothing changes if any prompt is bad)."""
-        sampling.validate()
-        prompts = [list(map(int, p)) for p in prompts]
-        sess = None
-        if session is not None:
-            sess = self.sessions.get(session)
-            if sess is None:
-                raise ValueError(f"session {session} is not open")
-            if len(prompts) != 1:
-                raise ValueError(f"a session turn takes exactly one prompt, got {len(prompts)}")
-            if sess.turn is not None:
-                raise ValueError(f"session {session} already has a turn in flight")
+        """Validate and queue requests (nothing changes if anything is bad)."""
+        with self._lock:
+            if not isinstance(sampling, SamplingParams):
+                raise ValueError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+            sampling.validate()
+            stops = sampling.stop_token_ids + ((self.cfg.eos_token_id,) if sampling.stop_at_eos else ())
+            if len(stops) > self.config.max_stop_ids:
+                raise ValueError(f"{len(sampling.stop_token_ids)} stop_token_ids (+ eos) exceed the engine's "
+                                 f"max_stop_ids={self.config.max_stop_ids}")
+            bad = [t for t in sampling.stop_token_ids if t >= self.cfg.unpadded_vocab_size]
+            if bad:
+                raise ValueError(f"stop token id {bad[0]} out of range [0, {self.cfg.unpadded_vocab_size})")
+            prompts = self._checked_prompts(prompts)
+            sess = self._session_for_turn(session, len(prompts))
+            now = time.perf_counter()
+            out = []
+            for i, p in enumerate(prompts):
+                tokens = (sess.tokens + p) if sess else p
+                r = Request(next(self._rids), tokens, len(tokens), sampling, session=sess, submitted=now,
+                            seed=(sampling.seed * 7919 + i) % (1 << 31))
+                total = len(tokens) + sampling.max_new_tokens + self.config.spec_steps
+                if total > self.max_context:
+                    raise ValueError(f"prompt {i}: {len(tokens)} tokens + {sampling.max_new_tokens} new exceed the "
+                                     f"longest sequence the pool can ever hold ({self.max_context} tokens; "
+                                     f"{self.bytes_for_tokens(total) / 2**30:.2f} GiB would be needed)")
+                problem = self.admission.never_fits(r)
+                if problem:
+                    raise ValueError(f"prompt {i} can never be admitted: it {problem}")
+                out.append(r)
+            for r in out:
+                self._stats["prompt_tokens"] += r.prompt_len - (len(sess.tokens) if sess else 0)
+                self.waiting.append(r)
+            if sess:
+                sess.turn = out[0]
+            return out
+
+    def _checked_prompts(self, prompts) -> list[list[int]]:
+        """Prompts as lists of ints; ValueError naming the first bad one (the type or the id)."""
+        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, (list, tuple)):
+            raise ValueError(f"prompts must be a list of token-id sequences, got {type(prompts).__name__}")
+        out = []
         for i, p in enumerate(prompts):
+            if isinstance(p, np.ndarray):
+                if p.ndim != 1 or not np.issubdtype(p.dtype, np.integer):
+                    raise ValueError(f"prompt {i} must be a 1-D integer array, got {p.dtype} of shape {p.shape}")
+                p = p.tolist()
+            if isinstance(p, (str, bytes)) or not isinstance(p, (list, tuple)):
+                raise ValueError(f"prompt {i} must be a sequence of token ids, got {type(p).__name__} "
+                                 f"(prompts is a list of prompts; tokenize text first)")
             if not p:
                 raise ValueError(f"prompt {i} is empty")
+            wrong = [t for t in p if not is_int(t)]
+            if wrong:
+                raise ValueError(f"prompt {i}: token ids must be ints, got {type(wrong[0]).__name__} {wrong[0]!r}")
             bad = [t for t in p if not 0 <= t < self.cfg.unpadded_vocab_size]
             if bad:
                 raise ValueError(f"prompt {i}: token id {bad[0]} out of range [0, {self.cfg.unpadded_vocab_size})")
-            history = len(sess.tokens) if sess else 0
-            total = history + len(p) + sampling.max_new_tokens + self.config.spec_steps
-            if total > self.max_context:
-                raise ValueError(f"prompt {i}: {history + len(p)} tokens + {sampling.max_new_tokens} new exceed the "
-                                 f"longest sequence the pool can ever hold ({self.max_context} tokens)")
-        out = []
-        now = time.perf_counter()
-        for i, p in enumerate(prompts):
-            tokens = (sess.tokens + p) if sess else p
-            r = Request(next(self._rids), tokens, len(tokens), sampling, session=sess, submitted=now,
-                        seed=(sampling.seed * 7919 + i) % (1 << 31))
-            self._stats["prompt_tokens"] += len(p)
-            self.waiting.append(r)
-            out.append(r)
-        if sess:
-            sess.turn = out[0]
+            out.append([int(t) for t in p])
         return out
 
+    def _session_for_turn(self, session: int | None, num_prompts: int) -> Session | None:
+        if session is None:
+            return None
+        sess = self.sessions.get(session) if is_int(session) else None
+        if sess is None:
+            raise ValueError(f"session {session} is not open")
+        if num_prompts != 1:
+            raise ValueError(f"a session turn takes exactly one prompt, got {num_prompts}")
+        if sess.turn is not None:
+            raise ValueError(f"session {session} already has a turn in flight")
+        return sess
+
+    def bytes_for_tokens(self, tokens: int) -> int:
+        """Arena bytes one request of `tokens` positions occupies (its slots and pages)."""
+        lay, pool = self.layout, self.pool
+        units = self.admission.slots_per_request * lay.slot_units + self.admission.pages_for(tokens) * lay.page_units
+        return units * lay.unit_elems * np.dtype(self.runner.dtype).itemsize
+
+    # ------------------------------------------------------------------- the step
+
     def step(self) -> None:
-        """Admit, run one compiled step over every running request, process the outputs."""
-        self.admission.admit_waiting(self.waiting)
-        plan = self.scheduler.plan(self.drafts_for)
-        if plan is None:
+        """Admit, run one compiled step over the running requests, commit its outputs."""
+        with self._lock:
+            self._settle()
+            for r in self.admission.admit_waiting(self.waiting):  # never admissible: given up
+                if r.session is not None:
+                    r.session.turn = None
+            plan = self.scheduler.plan(self.drafts_for)
+            if plan is None:
+                return
+            try:
+                shape = self.runner.shape(plan.mode, len(plan.rows), sum(plan.new_tokens), plan.max_pages)
+                batch = pack_batch(shape, plan.rows, self.config.spec_steps, self.config.max_stop_ids)
+                self._apply_pool()
+                with critical():  # the donated arena and the in-flight record change together
+                    out = self.runner.run(shape, batch)
+                    self._inflight = InFlight(plan, out)
+            except BaseException:
+                if self._inflight is None or self._inflight.plan is not plan:
+                    self.scheduler.abandon(plan)
+                    if self.runner.state_lost():
+                        self.reset()
+                raise
+            self._settle()
+
+    def _settle(self) -> None:
+        """Commit a dispatched step whose outputs were not read yet (an earlier call was
+        interrupted), and make sure the device state is whole."""
+        flight = self._inflight
+        if flight is None:
+            if self.runner.state_lost():
+                self.reset()
             return
-        shape = self.runner.shape(plan.mode, len(plan.rows), sum(plan.new_tokens), plan.max_pages)
-        batch = pack_batch(shape, plan.rows, self.config.spec_steps, self.config.max_stop_ids)
-        self.runner.apply_pool(self.pool)
-        out = self.runner.run(shape, batch)
-        host = HostOutputs(*jax.device_get((out.tokens, out.logprobs, out.num_accepted, out.accepted_logprobs,
+        try:
+            host = self._fetch(flight.out)
+        except KeyboardInterrupt:
+            raise  # the outputs are still on the device: the next call reads them
+        except Exception:
+            flight.failed_reads += 1
+            if flight.failed_reads >= 2:  # they cannot be read: restart from the tokens
+                self.reset()
+            raise
+        with critical():
+            self.scheduler.commit(flight.plan, host)
+            self._inflight = None
+        self._apply_pool()
+
+    def _fetch(self, out: StepOutput) -> HostOutputs:
+        """The step's outputs on the host (the one device-to-host transfer of a step)."""
+        return HostOutputs(*jax.device_get((out.tokens, out.logprobs, out.num_accepted, out.accepted_logprobs,
                                             out.drafts)))
-        self.scheduler.commit(plan, host)
-        self.runner.apply_pool(self.pool)
+
+    def _apply_pool(self) -> None:
+        try:
+            self.runner.apply_pool(self.pool)
+        except BaseException:
+            if self.runner.state_lost():
+                self.reset()
+            raise
+
+    def reset(self) -> None:
+        """Rebuild the device state from the host records after it was lost: every running
+        request and session restarts from its tokens (outputs stay exact: the state is a
+        pure function of them), the prefix cache is emptied, a step in flight is dropped."""
+        with self._lock, critical():
+            if self._inflight is not None:
+                self.scheduler.abandon(self._inflight.plan)
+                self._inflight = None
+            for r in list(self.running):
+                self.admission.release(r.held)
+                r.held, r.virtual_cow_slot, r.drafts = type(r.held)(), 0, []
+            self.waiting[:0] = self.running  # they go first, in the order they ran
+            self.running.clear()
+            for sess in self.sessions.values():
+                if sess.held is not None:
+                    self.admission.release(sess.held)
+                    sess.held = None
+            self.admission.evict_all()
+            self.pool.compact()
+            self.runner.rebuild_state(self.pool)
+            self._stats["resets"] += 1
+
+    def abort(self, request: Request | int) -> None:
+        """Cancel a queued or running request (a Request or its id): it finishes with
+        finish_reason "abort" and what it held is released (a running session turn hands its
+        state back to the session, as a finished one does; the turn's tokens stay in the
+        session's history). Nothing of other requests changes."""
+        with self._lock:
+            self._settle()
+            if isinstance(request, Request) and (request.finish_reason is not None or request.error is not None):
+                return  # it finished (perhaps in the step just settled): nothing to cancel
+            rid = request.rid if isinstance(request, Request) else request
+            for r in self.waiting:
+                if r.rid == rid:
+                    self.waiting.remove(r)
+                    if r.session is not None:
+                        r.session.turn = None
+                    r.finish_reason = "abort"
+                    return
+            for r in self.running:
+                if r.rid == rid:  # (its freed slots are compacted on the device by the next step)
+                    r.finish_reason = "abort"
+                    self.scheduler.finish(r)
+                    return
+            raise ValueError(f"request {rid} is not queued or running")
 
     def drafts_for(self, r: Request) -> list[int]:
         """The draft tokens a verify step checks for r: the MTP chain's proposals from the last
@@ -154,63 +328,83 @@ class Engine:
         length with oracle drafts); any drafts give the same greedy output, only speed differs."""
         return list(r.drafts)
 
-    def open_session(self) -> int:
-        sid = next(self._sids)
-        self.sessions[sid] = Session(sid)
-        return sid
+    # -------------------------------------------------------------------- sessions
 
-    def close_session(self, sid: int) -> None:
-        sess = self.sessions.get(sid)
-        if sess is None:
-            raise ValueError(f"session {sid} is not open")
-        if sess.turn is not None:
-            raise ValueError(f"session {sid} has a turn in flight")
-        del self.sessions[sid]
-        if sess.held is not None:
-            self.admission.release(sess.held)
-        self.runner.apply_pool(self.pool)
+    def open_session(self) -> int:
+        with self._lock:
+            sid = next(self._sids)
+            self.sessions[sid] = Session(sid)
+            return sid
+
+    def close_session(self, sid: int, abort: bool = False) -> None:
+        """Close a session and free its state. A turn in flight is an error, unless abort=True
+        (the turn is aborted first)."""
+        with self._lock:
+            sess = self.sessions.get(sid) if is_int(sid) else None
+            if sess is None:
+                raise ValueError(f"session {sid} is not open")
+            if sess.turn is not None:
+                if not abort:
+                    raise ValueError(f"session {sid} has a turn in flight (close_session(..., abort=True) cancels it)")
+                self.abort(sess.turn)
+            del self.sessions[sid]
+            if sess.held is not None:  # (compacted on the device by the next step)
+                self.admission.release(sess.held)
+
+    # ---------------------------------------------------------------- the rest
 
     def warmup(self) -> None:
         """Compile every bucket the scheduler can pick."""
-        self.runner.warmup()
+        with self._lock:
+            self.runner.warmup()
 
     def stats(self) -> dict[str, Any]:
-        s = dict(self._stats, **self.runner.stats)
-        s["free_slots"] = self.pool.free_count("slot")
-        s["free_pages"] = self.pool.free_count("page")
-        s["live_slots"] = self.pool.live_count("slot")
-        s["live_pages"] = self.pool.live_count("page")
-        s["compaction_moves"] = self.pool.moves_done
-        rows = s["verify_rows"]
-        s["mean_accept_length"] = (s["accepted_draft_tokens"] + rows) / rows if rows else 0.0  # bonus included
-        s["depth_acceptance"] = [a / rows if rows else 0.0 for a in self.scheduler.accepted_at_depth]
-        return s
-
-    # ------------------------------------------------------------- pool and cache
+        with self._lock:
+            s = dict(self._stats, **self.runner.stats)
+            s["free_slots"] = self.pool.free_count("slot")
+            s["free_pages"] = self.pool.free_count("page")
+            s["live_slots"] = self.pool.live_count("slot")
+            s["live_pages"] = self.pool.live_count("page")
+            s["compaction_moves"] = self.pool.moves_done
+            rows = s["verify_rows"]
+            s["mean_accept_length"] = (s["accepted_draft_tokens"] + rows) / rows if rows else 0.0  # bonus included
+            s["depth_acceptance"] = [a / rows if rows else 0.0 for a in self.scheduler.accepted_at_depth]
+            return s
 
     def compact(self) -> None:
         """Close every hole in the pool now (lazy mode) and apply the moves on the device."""
-        self.pool.compact()
-        self.runner.apply_pool(self.pool)
+        with self._lock:
+            self.pool.compact()
+            self._apply_pool()
 
     def evict_all(self) -> None:
         """Drop every unlocked prefix-cache entry."""
-        self.admission.evict_all()
-        self.runner.apply_pool(self.pool)
+        with self._lock:
+            self.admission.evict_all()
+            self._apply_pool()
 
     def read_slot(self, virtual_slot: int) -> dict[str, np.ndarray]:
         """A slot's contents for inspection (see `StepRunner.read_slot`), through the live table."""
-        self.runner.apply_pool(self.pool)
-        physical_slot = self.pool.physical_slot(virtual_slot)
-        if physical_slot == 0:
-            raise ValueError(f"slot {virtual_slot} is not allocated")
-        return self.runner.read_slot(physical_slot)
+        with self._lock:
+            self._apply_pool()
+            physical_slot = self.pool.physical_slot(virtual_slot)
+            if physical_slot == 0:
+                raise ValueError(f"slot {virtual_slot} is not allocated")
+            return self.runner.read_slot(physical_slot)
 
     # ------------------------------------------------------------------ invariants
 
     def check_invariants(self) -> None:
-        """Raise AssertionError if accounting or aliasing is broken."""
-        self.pool.check()
+        """Raise AssertionError if accounting or aliasing is broken, or the device state is not
+        what the host records say. After a failed call the engine may hold work it finishes
+        on the next call (a step in flight, compaction moves not yet copied): that is checked
+        to be recorded consistently."""
+        with self._lock:
+            self._check_invariants()
+
+    def _check_invariants(self) -> None:
+        pending = self.pool.has_pending_moves()
+        self.pool.check(allow_pending_moves=True)
         owners_s: dict[int, str] = {}
         owners_p: dict[int, str] = {}
 
@@ -236,3 +430,16 @@ class Engine:
             assert live == set(owners), (f"{kind} accounting: live {sorted(live)} != owned {sorted(owners)} "
                                          f"(leaked {sorted(live - set(owners))}, unowned {sorted(set(owners) - live)})")
         assert self.admission.outstanding_reservations() >= 0
+        # the device: whole, its id tables the pool's, every move copied (pool.check), so every
+        # live virtual id's data sits at the row its table entry names
+        assert not self.runner.state_lost(), "the device arena was lost (reset() rebuilds it)"
+        slot_table, page_table = self.pool.tables()
+        for name, host, recorded, device in () if pending else (
+                ("slot", slot_table, self.runner.tables_on_device[0], self.runner.state.slot_v2p),
+                ("page", page_table, self.runner.tables_on_device[1], self.runner.state.page_v2p)):
+            if self.pool.tables_dirty:  # changed since the last step: the next step pushes them
+                continue
+            assert np.array_equal(host, recorded) and np.array_equal(host, np.asarray(device)), \
+                f"the device's {name} id table differs from the pool's"
+        if self._inflight is not None:
+            assert all(r in self.running for r in self._inflight.plan.requests), "a step in flight lost a request"

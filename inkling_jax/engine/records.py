@@ -14,7 +14,7 @@ class Completion:
     tokens: list[int]
     logprobs: list[float]  # log p of each chosen token under the model
     cached_tokens: int  # prompt tokens served from the prefix cache
-    finish_reason: str  # "length" or "stop"
+    finish_reason: str  # "length", "stop" or "abort"
 
 
 @dataclass
@@ -33,10 +33,11 @@ class Resources:
     committed: int = 0  # positions [0, committed) are in the state
     prefix_node: Node | None = None  # the tree node whose path it reads (locked while held)
     last_checkpoint: tuple[int, int] | None = None  # (depth, track index) of the newest checkpoint it holds
+    step_slots: list[int] = field(default_factory=list)  # slots taken for the planned step's checkpoints
 
     def slots(self) -> list[int]:
         """Its real slots (no 0, no -1)."""
-        return [s for s in [self.virtual_slot, *self.virtual_track_slots] if s > 0]
+        return [s for s in [self.virtual_slot, *self.virtual_track_slots, *self.step_slots] if s > 0]
 
 
 @dataclass
@@ -60,6 +61,7 @@ class Request:
     out_tokens: list[int] = field(default_factory=list)
     out_logprobs: list[float] = field(default_factory=list)
     finish_reason: str | None = None
+    error: str | None = None  # why the engine gave up on it (it can never be admitted)
     drafts: list[int] = field(default_factory=list)  # speculative: the next round's draft tokens
     accept_lengths: list[int] = field(default_factory=list)  # speculative: drafts accepted per verify round
     seed: int = 0

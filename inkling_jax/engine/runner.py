@@ -4,7 +4,7 @@ steps, and applying the pool's compaction moves.
 The host policy (`scheduler.py`) decides *what* runs; the runner runs it:
 
     shape = runner.shape(mode, rows, tokens, pages)   # the bucket a step of that size uses
-    runner.apply_pool(pool)                            # compaction moves + id tables -> device
+    runner.apply_pool(pool)                            # compaction moves + id tables -> device (atomic)
     out = runner.run(shape, batch)                     # one compiled step (state donated)
 
 Compiled steps are cached per engine (`compiled`) and process-wide (engines with the same
@@ -15,6 +15,7 @@ scheduler can pick; `stats` counts the executables this engine needed and their 
 from __future__ import annotations
 
 import math
+import os
 import time
 from typing import Any
 
@@ -29,6 +30,7 @@ from ..cache.state import ServingState, init_state, read_slot_field
 from ..config import InklingConfig
 from ..steps import StepBatch, StepOutput, StepShape, check_batch, compile_lowered, compile_step
 from .config import EngineConfig
+from .interrupts import critical
 
 # Compiled steps shared by engines of the same model, layout and state geometry (a process-wide
 # jit cache: an engine rebuilt with the same shapes does not compile again).
@@ -46,6 +48,29 @@ def ladder(top: int, start: int = 1) -> list[int]:
         out.append(v)
         v *= 2
     return out + [top]
+
+
+def available_memory() -> int | None:
+    """Bytes the default device can still allocate (GPU: its allocator's limit minus what is in
+    use; CPU: the host's available physical memory), or None when unknown."""
+    device = jax.devices()[0]
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    if stats and "bytes_limit" in stats:
+        return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_arena_fits(num_units: int, layout: ArenaLayout, dtype: Any) -> None:
+    """ValueError naming the sizes when an arena of num_units units cannot be allocated."""
+    arena_bytes = num_units * layout.unit_elems * np.dtype(dtype).itemsize
+    free = available_memory()
+    if free is not None and arena_bytes > free:
+        raise ValueError(f"the serving arena needs {arena_bytes / 2**30:.2f} GiB ({num_units} units of "
+                         f"{layout.unit_elems} elements) but the device has {free / 2**30:.2f} GiB free: "
+                         f"lower num_pages, num_slots or max_context (or max_new_tokens)")
 
 
 def resolve_use_pallas(config: EngineConfig) -> bool:
@@ -67,6 +92,7 @@ class StepRunner:
         self.dtype = params["unembed"].dtype
         self.state: ServingState = init_state(layout, pool.num_units, len(pool.slots.v2p) - 1,
                                               len(pool.pages.v2p) - 1, self.dtype)
+        self.tables_on_device = (np.zeros(len(pool.slots.v2p), np.int32), np.zeros(len(pool.pages.v2p), np.int32))
         top_b = pow2_ceil(config.max_running)
         self.batch_buckets = ladder(top_b, min(top_b, pow2_ceil(config.min_batch_bucket)))
         top_t = pow2_ceil(config.max_step_tokens)
@@ -138,21 +164,45 @@ class StepRunner:
         return out
 
     def apply_pool(self, pool: UnitPool) -> None:
-        """Apply the pool's planned compaction moves and refreshed id tables to the device state."""
-        src, dst = pool.take_moves()
-        if len(src):
-            n = pow2_ceil(len(src))
-            pad = n - len(src)
-            src = np.concatenate([src, np.zeros(pad, np.int32)])  # sink -> sink: inert
-            dst = np.concatenate([dst, np.zeros(pad, np.int32)])
-            fn = self._move_fns.get(n)
-            if fn is None:
-                fn = jax.jit(lambda a, s, d: self.ops.copy_units(a, s, d, num_units=1), donate_argnums=(0,))
-                self._move_fns[n] = fn
-            self.state = self.state.replace(arena=fn(self.state.arena, src, dst))
-        if pool.tables_dirty:
-            slot_table, page_table = pool.tables()
-            self.state = self.state.replace(slot_v2p=jnp.asarray(slot_table), page_v2p=jnp.asarray(page_table))
+        """Apply the pool's planned compaction moves and its id tables to the device state, as
+        one transaction: the moves are acknowledged (and the tables recorded as the device's)
+        only with the new arena in place. A failed copy leaves them pending."""
+        src, dst = pool.pending_moves()
+        if not len(src) and not pool.tables_dirty:
+            return
+        slot_table, page_table = pool.tables()
+        arena = self.state.arena
+        with critical():
+            if len(src):
+                arena = self.move_units(arena, src, dst)
+            self.state = ServingState(arena, jnp.asarray(slot_table), jnp.asarray(page_table))
+            self.tables_on_device = (slot_table, page_table)
+            pool.ack_moves()
+            pool.tables_dirty = False
+
+    def move_units(self, arena, src: np.ndarray, dst: np.ndarray):
+        """arena[dst] = arena[src] (unit rows, one gather then one scatter); the arena is donated."""
+        n = pow2_ceil(len(src))
+        pad = n - len(src)
+        src = np.concatenate([src, np.zeros(pad, np.int32)])  # sink -> sink: inert
+        dst = np.concatenate([dst, np.zeros(pad, np.int32)])
+        fn = self._move_fns.get(n)
+        if fn is None:
+            fn = jax.jit(lambda a, s, d: self.ops.copy_units(a, s, d, num_units=1), donate_argnums=(0,))
+            self._move_fns[n] = fn
+        return fn(arena, src, dst)
+
+    def state_lost(self) -> bool:
+        """The arena was donated to a computation whose result never arrived."""
+        return self.state.arena.is_deleted()
+
+    def rebuild_state(self, pool: UnitPool) -> None:
+        """A zero arena and the pool's tables (after a reset: nothing live holds device state)."""
+        self.state = init_state(self.layout, pool.num_units, len(pool.slots.v2p) - 1, len(pool.pages.v2p) - 1,
+                                self.dtype)
+        pool.ack_moves()
+        pool.tables_dirty = True
+        self.apply_pool(pool)
 
     def read_slot(self, physical_slot: int) -> dict[str, np.ndarray]:
         """A slot's fields: {"target.3.conv": [K-1, C], "target.0.ring": [ring, 2, kv_heads,

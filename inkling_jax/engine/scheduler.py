@@ -6,8 +6,13 @@
 
 Modes: `extend` while any running request has more than one pending token (prefill chunks;
 decoding rows ride along with one token), else `verify` with speculative decoding, else
-`decode`. A request's pending tokens are the ones not yet in the state: its prompt's rest,
-or the last sampled token.
+`decode`. With speculative decoding a decoding row never rides in an extend step: prefill
+and verify steps alternate, so a sampled request draws the same tokens alone and batched
+(a verify round and a plain sample draw differently). A request's pending tokens are the
+ones not yet in the state: its prompt's rest, or the last sampled token.
+
+A plan may take checkpoint slots (`Resources.step_slots`); `abandon` gives them back when
+the step is not committed.
 """
 
 from __future__ import annotations
@@ -57,6 +62,7 @@ class Scheduler:
                  stats: dict[str, Any]):
         self.cfg, self.config, self.admission, self.checkpoints, self.stats = cfg, config, admission, checkpoints, stats
         self.accepted_at_depth = [0] * config.spec_steps
+        self.last_mode = "decode"
 
     @property
     def running(self) -> list[Request]:
@@ -70,8 +76,16 @@ class Scheduler:
         if not running:
             return None
         cfg, spec = self.config, self.config.spec_steps
-        prefill = any(r.pending > 1 for r in running)
-        mode = "extend" if prefill else ("verify" if spec else "decode")
+        for r in running:  # a plan that failed half-way left slots; eager slots the tree took
+            self.checkpoints.abandon(r)
+            self.checkpoints.refill(r)
+        prefilling = [r for r in running if r.pending > 1]
+        if spec and prefilling and len(prefilling) < len(running):  # alternate prefill and verify
+            mode = "verify" if self.last_mode == "extend" else "extend"
+            running = [r for r in running if (r.pending > 1) == (mode == "extend")]
+        else:
+            mode = "extend" if prefilling else ("verify" if spec else "decode")
+        self.last_mode = mode
         new_tokens, checkpoints, budget = [], [], cfg.max_step_tokens
         for r in running:
             if mode == "verify":
@@ -87,6 +101,11 @@ class Scheduler:
         plan = StepPlan(mode, list(running), new_tokens, checkpoints)
         plan.rows = [self._row_plan(mode, r, n, cks, drafts_for) for r, n, cks in zip(running, new_tokens, checkpoints)]
         return plan
+
+    def abandon(self, plan: StepPlan) -> None:
+        """The planned step will not be committed: give back the slots it took."""
+        for r in plan.requests:
+            self.checkpoints.abandon(r)
 
     def stop_ids(self, r: Request) -> list[int]:
         eos = [self.cfg.eos_token_id] if r.sampling.stop_at_eos and self.cfg.eos_token_id is not None else []
@@ -132,7 +151,7 @@ class Scheduler:
                 self.emit(r, int(out.tokens[i]), float(out.logprobs[i]), now)
                 if self.config.spec_steps:
                     r.drafts = [int(t) for t in out.drafts[i]]
-        finished = [r for r in self.running if r.finish_reason is not None]
+        finished = [r for r in plan.requests if r.finish_reason is not None]
         for r in finished:
             self.finish(r)
         return finished

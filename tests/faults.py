@@ -1,0 +1,180 @@
+"""Fault injection for the engine (a test double: it wraps an engine's own methods), and the
+soak driver: random schedules of submit / step / abort / sessions / eviction / compaction with
+exceptions injected where the engine meets the device or the pool.
+
+    python tests/faults.py --ops 10000 --seed 0     # the long soak (README, Reliability)
+
+Every completed greedy output must equal a cache-off engine's for the same history, every
+aborted one must be a prefix of it, and `check_invariants()` must hold after every operation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections import Counter
+
+import numpy as np
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0")
+
+import inkling_jax as ik  # noqa: E402
+
+
+class InjectedFault(Exception):
+    """An exception planted by `Faults` (stands for any failure at that point)."""
+
+
+class Faults:
+    """Wraps an engine so that, with probability `rate` per call, these raise:
+
+    * "read": reading a step's outputs (`Engine._fetch`), as InjectedFault or KeyboardInterrupt
+      (the outputs stay on the device);
+    * "copy": a compaction copy (`StepRunner.move_units`), either before it starts (the arena
+      intact) or after the arena was donated to it (the device state lost: the engine resets);
+    * "alloc": allocating a slot or page during admission or planning (`UnitPool.alloc_*`).
+    """
+
+    def __init__(self, engine: ik.Engine, rng: np.random.RandomState, rate: float = 0.05):
+        self.rng, self.rate, self.count = rng, rate, Counter()
+        self.enabled = True
+        fetch, move = engine._fetch, engine.runner.move_units
+        alloc_slot, alloc_page = engine.pool.alloc_slot, engine.pool.alloc_page
+
+        def faulty_fetch(out):
+            if self._hit("read"):
+                raise KeyboardInterrupt if self.rng.rand() < 0.5 else InjectedFault("output read")
+            return fetch(out)
+
+        def faulty_move(arena, src, dst):
+            if self._hit("copy"):
+                if self.rng.rand() < 0.5:
+                    raise InjectedFault("compaction copy, before it starts")
+                move(arena, src, dst)  # the arena is donated; its result is lost
+                self.count["copy-lost"] += 1
+                raise InjectedFault("compaction copy, after the arena was donated")
+            return move(arena, src, dst)
+
+        def faulty(alloc):
+            def call():
+                if self._hit("alloc"):
+                    raise InjectedFault("allocation")
+                return alloc()
+            return call
+
+        engine._fetch = faulty_fetch
+        engine.runner.move_units = faulty_move
+        engine.pool.alloc_slot, engine.pool.alloc_page = faulty(alloc_slot), faulty(alloc_page)
+
+    def _hit(self, kind: str) -> bool:
+        if self.enabled and self.rng.rand() < self.rate:
+            self.count[kind] += 1
+            return True
+        return False
+
+
+OPS = ["submit", "step", "abort", "turn", "close", "evict", "compact"]
+OP_WEIGHTS = [0.2, 0.5, 0.05, 0.1, 0.04, 0.06, 0.05]
+
+
+def run_soak(cfg, params, engine_kw: dict, num_ops: int, seed: int = 0, rate: float = 0.05) -> dict:
+    """The soak (module docstring); returns its figures. Raises AssertionError on a violation."""
+    rng = np.random.RandomState(seed)
+    vocab = cfg.unpadded_vocab_size
+    system = list(rng.randint(3, vocab, 21))
+    bases = [system + list(rng.randint(3, vocab, n)) for n in (6, 11, 3)] + [list(rng.randint(3, vocab, 17))]
+    engine = ik.Engine(cfg, params, ik.EngineConfig(**engine_kw))
+    faults = Faults(engine, rng, rate)
+    greedy = lambda n: ik.SamplingParams(max_new_tokens=n, stop_at_eos=False)
+    tracked = []  # (request, the full history it answers)
+    sessions: dict[int, object] = {}  # sid -> its turn in flight (a Request) or None
+    figures = Counter()
+    t0 = time.perf_counter()
+    for _ in range(num_ops):
+        op = rng.choice(OPS, p=OP_WEIGHTS)
+        figures[op] += 1
+        try:
+            if op == "submit":
+                base = bases[rng.randint(len(bases))]
+                prompt = base[:rng.randint(1, len(base) + 1)] + [int(rng.randint(3, vocab))]
+                r = engine.submit([prompt], greedy(int(rng.randint(1, 8))))[0]
+                tracked.append((r, list(r.tokens)))
+            elif op == "step":
+                engine.step()
+            elif op == "abort":
+                live = [r for r, _ in tracked if r.finish_reason is None and r.error is None]
+                if live:
+                    engine.abort(live[rng.randint(len(live))])
+            elif op == "turn":
+                idle = [sid for sid, turn in sessions.items() if turn is None or turn.finish_reason is not None]
+                if not idle or (len(sessions) < 2 and rng.rand() < 0.4):
+                    sid = engine.open_session()
+                else:
+                    sid = idle[rng.randint(len(idle))]
+                turn = list(rng.randint(3, vocab, int(rng.randint(1, 7))))
+                r = engine.submit([turn], greedy(int(rng.randint(1, 6))), session=sid)[0]
+                sessions[sid] = r
+                tracked.append((r, list(r.tokens)))
+            elif op == "close" and sessions:
+                sid = list(sessions)[rng.randint(len(sessions))]
+                engine.close_session(sid, abort=True)
+                del sessions[sid]
+            elif op == "evict":
+                engine.evict_all()
+            elif op == "compact":
+                engine.compact()
+        except (InjectedFault, KeyboardInterrupt):
+            figures["raised"] += 1
+        except ValueError as exc:  # a session turn whose history outgrew the pool: refused, nothing changed
+            assert "exceed" in str(exc) or "never be admitted" in str(exc), exc
+            figures["refused"] += 1
+        for sid in [sid for sid in sessions if sid not in engine.sessions]:
+            del sessions[sid]  # closed, though the call raised afterwards
+        engine.check_invariants()
+    faults.enabled = False
+    while engine.running or engine.waiting:
+        engine.step()
+    engine.check_invariants()
+
+    clean = ik.Engine(cfg, params, ik.EngineConfig(**{**engine_kw, "prefix_cache": False}))
+    for r, full in tracked:
+        if r.error is not None:
+            continue
+        expected = clean.generate([full], greedy(r.sampling.max_new_tokens))[0].tokens
+        if r.finish_reason == "abort":
+            assert r.out_tokens == expected[:len(r.out_tokens)], (r.rid, r.out_tokens, expected)
+            figures["aborted"] += 1
+        else:
+            assert r.out_tokens == expected, (r.rid, r.out_tokens, expected)
+            figures["completed"] += 1
+        figures["tokens checked"] += len(r.out_tokens)
+    figures.update({f"faults: {k}": v for k, v in faults.count.items()})
+    figures["resets"] = engine.stats()["resets"]
+    figures["cache hit tokens"] = engine.stats()["cache_hit_tokens"]
+    figures["seconds"] = round(time.perf_counter() - t0, 1)
+    return dict(figures)
+
+
+def main(argv=None) -> int:
+    import jax
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from conftest import ENGINE_KW, TRUNK
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ops", type=int, default=10000)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--rate", type=float, default=0.05)
+    args = ap.parse_args(argv)
+    params = ik.init_params(TRUNK, jax.random.key(0), std=0.1)
+    figures = run_soak(TRUNK, params, {**ENGINE_KW, "num_slots": 10, "num_pages": 40}, args.ops, args.seed, args.rate)
+    for k, v in sorted(figures.items()):
+        print(f"{k:24} {v}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
