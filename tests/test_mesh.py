@@ -26,7 +26,7 @@ from jax.sharding import Mesh
 import inkling_jax as ik
 from inkling_jax import parallel as par
 from inkling_jax.model.params import param_shapes
-from inkling_jax.parallel.planner import H200_BYTES, PoolSizes, main as planner_main, plan_memory
+from inkling_jax.parallel.planner import H200_BYTES, SERVING_MEM_FRACTION, PoolSizes, main as planner_main, plan_memory
 
 from conftest import PARITY_CONFIGS, random_tokens
 
@@ -207,12 +207,13 @@ def test_planner_real_inkling_on_8_h200():
     count = sum(math.prod(s) for s in jax.tree_util.tree_leaves(param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple)))
     assert 9.0e11 < count < 1.0e12, count
     pool = PoolSizes(num_slots=64, num_pages=2048, page_size=16, max_running=16, chunk_size=64, max_step_tokens=512)
+    device = int(SERVING_MEM_FRACTION * H200_BYTES)
     bf16 = plan_memory(cfg, jnp.bfloat16, {"tp": 8}, pool)
     fp8 = plan_memory(cfg, jnp.bfloat16, {"tp": 8}, pool, weight_bytes=1)
-    assert not bf16.fits(H200_BYTES) and fp8.fits(H200_BYTES)
+    assert not bf16.fits(device) and fp8.fits(device)
     with pytest.raises(ValueError, match=r"the weights alone need .* per device \(largest part: routed experts"):
-        bf16.check(H200_BYTES)
-    fp8.check(H200_BYTES)
+        bf16.check(device)
+    fp8.check(device)
     # tp=8 splits everything 8 ways: the per-device matrices are an eighth of the model
     assert fp8.weights["routed experts"] * 8 == 64 * 256 * 3 * 6144 * 3072
     ep8 = plan_memory(cfg, jnp.bfloat16, {"ep": 8}, pool, weight_bytes=1)
@@ -220,7 +221,7 @@ def test_planner_real_inkling_on_8_h200():
     assert ep8.weights["attention"] == 8 * fp8.weights["attention"]  # replicated without tp
     big_pool = PoolSizes(num_slots=64, num_pages=400_000, page_size=16, max_context=32768)
     with pytest.raises(ValueError, match=r"for the arena, which needs .* fewer slots / pages, or more devices"):
-        plan_memory(cfg, jnp.bfloat16, {"tp": 8}, big_pool, weight_bytes=1).check(H200_BYTES)
+        plan_memory(cfg, jnp.bfloat16, {"tp": 8}, big_pool, weight_bytes=1).check(device)
     assert "routed experts" in str(fp8) and "total" in str(fp8)
     with pytest.raises(ValueError, match=r"num_heads=64 is not divisible by tp=3"):
         plan_memory(cfg, jnp.bfloat16, {"tp": 3})

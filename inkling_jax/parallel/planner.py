@@ -2,7 +2,7 @@
 
     plan = plan_memory(InklingConfig.inkling(), "bfloat16", {"tp": 8, "ep": 1},
                        PoolSizes(num_slots=256, num_pages=8192, page_size=16))
-    print(plan); plan.check(139 * 2**30)
+    print(plan); plan.check(int(0.95 * H200_BYTES))
 
 Weights (exact): every leaf's per-device shape from the `ShardPlan` (sharded layout, so
 repeated kv heads count on every shard holding them) times its itemsize: fp32 for the
@@ -40,7 +40,10 @@ GiB = 1 << 30
 # the matrices a quantised (e.g. fp8) checkpoint stores at `weight_bytes`
 QUANTIZED_LEAVES = frozenset({"wqkvr", "wo", "w13", "w2", "shared_w13", "shared_w2", "input_proj"})
 SCALE_BLOCK = 128  # fp8 block-scale tile (per expert): one fp32 scale per 128 x 128 block
-H200_BYTES = 139 * GiB  # what one H200 of this workplace offers (about 139 GiB)
+# One H200's memory as JAX sees it: jax 0.11.2 reported bytes_limit 112,583,507,968 under
+# the default XLA_PYTHON_CLIENT_MEM_FRACTION of 0.75 (2026-12 run), i.e. 139.8 GiB in all.
+H200_BYTES = 112_583_507_968 * 4 // 3
+SERVING_MEM_FRACTION = 0.95  # XLA_PYTHON_CLIENT_MEM_FRACTION a server sets (JAX's default: 0.75)
 
 
 @dataclass(frozen=True)
@@ -212,7 +215,8 @@ def _workspace(plan: ShardPlan, pool: PoolSizes, act: int) -> dict[str, int]:
       MLP       the larger of the dense MLP ([T, 2I/tp] fp32 + [T, I/tp]) and the all-experts
                 MoE path ([E/ep, T, 2F/tp] fp32 + [E/ep, T, F/tp] + [E/ep, T, H] fp32)
       logits    [B * (spec_steps + 1), V] fp32, local and gathered
-    Only one layer's temporaries are counted: attention and MLP do not overlap."""
+    Only one layer's temporaries are counted, and of attention and MLP only the larger (they
+    do not overlap); the table names which."""
     g, local = plan.cfg, plan.local_cfg
     h = g.hidden_size
     tokens = max(pool.max_step_tokens, pool.max_running * (pool.spec_steps + 1))
@@ -229,10 +233,12 @@ def _workspace(plan: ShardPlan, pool: PoolSizes, act: int) -> dict[str, int]:
         e, f = local.n_routed_experts, local.expert_intermediate_size
         mlp = max(mlp, e * tokens * (2 * f * 4 + f * act + h * 4))
     logit_rows = rows * (pool.spec_steps + 1)
+    peak = ("peak layer: attention", attention) if attention >= mlp else \
+        ("peak layer: MoE experts" if g.has_moe else "peak layer: dense MLP", mlp)
     return {
         "residual stream": 4 * tokens * h * act,
         "qkvr projection": tokens * qkvr * (4 + act),
-        "attention or MLP": max(attention, mlp),
+        peak[0]: peak[1],
         "logits": logit_rows * (local.vocab_size + g.vocab_size) * 4,
     }
 
@@ -252,7 +258,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ep", type=int, default=1)
     p.add_argument("--dtype", default="bfloat16", help="activations / arena / non-quantised weights")
     p.add_argument("--weight-bytes", type=int, default=None, help="itemsize of the projection matrices (1 = fp8)")
-    p.add_argument("--device-gib", type=float, default=H200_BYTES / GiB, help="memory per device (default: H200)")
+    p.add_argument("--device-gib", type=float, default=H200_BYTES / GiB, help="memory per device (default: an H200)")
+    p.add_argument("--mem-fraction", type=float, default=SERVING_MEM_FRACTION,
+                   help="share of it JAX may use (XLA_PYTHON_CLIENT_MEM_FRACTION)")
     for name, default in (("num-slots", 64), ("num-pages", 256), ("page-size", 16), ("spec-steps", 0),
                           ("max-running", 8), ("chunk-size", 64), ("max-step-tokens", 256)):
         p.add_argument(f"--{name}", type=int, default=default)
@@ -267,13 +275,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{count:,} parameters")
     plan = plan_memory(cfg, a.dtype, {"tp": a.tp, "ep": a.ep}, pool, a.weight_bytes)
     print(plan)
-    device = int(a.device_gib * GiB)
+    device = int(a.device_gib * GiB * a.mem_fraction)
     try:
         plan.check(device)
     except ValueError as exc:
         print(f"does not fit: {exc}")
         return 1
-    print(f"fits in {_gib(device)} per device ({_gib(device - plan.total)} to spare)")
+    print(f"fits in {_gib(device)} per device ({a.mem_fraction:g} of {a.device_gib:.1f} GiB; "
+          f"{_gib(device - plan.total)} to spare)")
     return 0
 
 
