@@ -454,7 +454,8 @@ def load_pretrained(path: str | os.PathLike, dtype: Any = jnp.bfloat16, cfg: Ink
 
     mesh: a `make_mesh` mesh. Then params are global arrays in the sharded layout of
     `ShardPlan(cfg, mesh)`, and each device's block is read straight from the files (only the
-    slices it needs, `jax.make_array_from_callback`): no host ever holds the whole model.
+    slices it needs, `jax.make_array_from_callback`): the host holds one device's block of
+    one leaf at a time, never a whole leaf of a sharded tensor, let alone the whole model.
 
     Raises ValueError naming the path, file and tensor: a missing path or config.json, a
     config.json that is not JSON or not an Inkling config, a file that is not safetensors
