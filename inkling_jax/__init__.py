@@ -9,6 +9,10 @@ __all__ = [
 ]
 __version__ = "0.1.0"
 
+from .parallel import ShardPlan, make_mesh  # noqa: E402
+
+__all__ += ["make_mesh", "ShardPlan"]
+
 from .weights import load_checkpoint, load_pretrained, save_checkpoint, save_pretrained  # noqa: E402
 
 __all__ += ["load_pretrained", "save_pretrained", "save_checkpoint", "load_checkpoint"]

@@ -240,6 +240,30 @@ class InklingConfig:
         base.update(overrides)
         return cls(**base)
 
+    @classmethod
+    def inkling(cls, **overrides: Any) -> "InklingConfig":
+        """The real Inkling's shape (`reference/inkling-model.md` §1): hidden 6144, 66 layers
+        (local unless (i+1) % 6 == 0), 64 q heads of 128 with 8 kv heads on full layers and 16
+        on sliding ones (window 512), 2 dense layers of width 24576, then 256 routed experts
+        (top-6, width 3072) with 2 sink shared experts, vocab 201024 (200058 real), 8 MTP
+        depths (banded: 0, 2, 4, 5, 6, 7). For memory planning and sharding checks; its
+        weights are not in the repo. log_scaling_n_floor 128000 comes from third-party copies
+        of config.json (unverified, like the MTP fields)."""
+        layers = 66
+        base = dict(
+            vocab_size=201024, unpadded_vocab_size=200058, hidden_size=6144, num_layers=layers,
+            num_heads=64, num_kv_heads=8, head_dim=128,
+            swa_num_heads=64, swa_num_kv_heads=16, swa_head_dim=128,
+            local_layer_ids=tuple(i for i in range(layers) if (i + 1) % 6), sliding_window=512,
+            d_rel=16, rel_extent=1024, log_scaling_n_floor=128000, log_scaling_alpha=0.1,
+            dense_layer_ids=(0, 1), dense_intermediate_size=24576, expert_intermediate_size=3072,
+            n_routed_experts=256, n_shared_experts=2, num_experts_per_tok=6, route_scale=8.0,
+            shared_expert_sink=True, logits_mup_width_multiplier=24.0,
+            num_mtp_layers=8, mtp_local_layer_ids=(0, 2, 4, 5, 6, 7), chain_hidden_post_norm=False,
+        )
+        base.update(overrides)
+        return cls(**base)
+
     # ------------------------------------------------------------ HF dialects
 
     @classmethod

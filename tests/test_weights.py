@@ -132,3 +132,137 @@ def test_orbax_round_trip(tiny, tmp_path):
     cfg2, params2 = ik.load_checkpoint(tmp_path / "ckpt")
     assert cfg2 == cfg
     assert_params_equal(params, params2)
+
+
+# ------------------------------------------------------- files: what save_pretrained touches
+
+
+def _files(path):
+    return sorted(p.name for p in path.iterdir())
+
+
+def test_save_keeps_files_it_did_not_write(tiny, tmp_path):
+    cfg, params = tiny
+    save_file({"lora.weight": np.ones((2, 2), np.float32)}, tmp_path / "adapter.safetensors")
+    (tmp_path / "README.md").write_text("notes")
+    ik.save_pretrained(tmp_path, cfg, params)
+    assert _files(tmp_path) == ["README.md", "adapter.safetensors", "config.json", "model.safetensors",
+                                "model.safetensors.index.json"]
+    assert load_file(tmp_path / "adapter.safetensors")["lora.weight"].shape == (2, 2)
+    # with a foreign safetensors file beside it, the checkpoint is described by an index,
+    # so the loader reads exactly our files
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"].values()) == {"model.safetensors"}
+    _, params2 = ik.load_pretrained(tmp_path, dtype=jnp.float32)
+    assert_params_equal(params, params2)
+
+
+def test_save_removes_only_its_own_stale_shards(tiny, tmp_path):
+    cfg, params = tiny
+    ik.save_pretrained(tmp_path, cfg, params, max_shard_bytes=100_000)
+    ours = set(json.loads((tmp_path / "model.safetensors.index.json").read_text())["weight_map"].values())
+    assert len(ours) > 2
+    ik.save_pretrained(tmp_path, cfg, params)  # one file now: our old shards and index go
+    assert _files(tmp_path) == ["config.json", "model.safetensors"]
+    # an index another tool wrote: its shards are not ours to delete, and ours replaces it
+    save_file({"x": np.zeros(3, np.float32)}, tmp_path / "model-00001-of-00009.safetensors")
+    (tmp_path / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": {"x": "model-00001-of-00009.safetensors"}}))
+    ik.save_pretrained(tmp_path, cfg, params)
+    assert "model-00001-of-00009.safetensors" in _files(tmp_path)
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"].values()) == {"model.safetensors"}
+    _, params2 = ik.load_pretrained(tmp_path, dtype=jnp.float32)
+    assert_params_equal(params, params2)
+
+
+def test_failed_save_leaves_the_old_checkpoint(tiny, tmp_path, monkeypatch):
+    import inkling_jax.weights as W
+
+    cfg, params = tiny
+    ik.save_pretrained(tmp_path, cfg, params, max_shard_bytes=100_000)
+    before = {name: (tmp_path / name).read_bytes() for name in _files(tmp_path)}
+    calls = []
+
+    def failing_save(tensors, filename, metadata=None):
+        calls.append(filename)
+        if len(calls) == 2:
+            raise OSError("disk full")
+        save_file(tensors, filename, metadata=metadata)
+
+    monkeypatch.setattr(W, "save_file", failing_save)
+    doubled = jax.tree_util.tree_map(lambda x: x * 2, params)
+    with pytest.raises(OSError, match="disk full"):
+        ik.save_pretrained(tmp_path, cfg, doubled, max_shard_bytes=100_000)
+    assert {name: (tmp_path / name).read_bytes() for name in _files(tmp_path)} == before  # no temporaries left
+
+
+# ------------------------------------------------------------- load errors name the file
+
+
+def test_load_missing_path_says_so(tmp_path):
+    with pytest.raises(ValueError, match=rf"{tmp_path / 'nope'} does not exist"):
+        ik.load_pretrained(tmp_path / "nope")
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match=r"file is not a directory"):
+        ik.load_pretrained(tmp_path / "file")
+    with pytest.raises(ValueError, match=r"has no config.json"):
+        ik.load_pretrained(tmp_path)
+
+
+def test_truncated_safetensors_names_the_file(tiny, tmp_path):
+    cfg, params = tiny
+    ik.save_pretrained(tmp_path, cfg, params)
+    data = (tmp_path / "model.safetensors").read_bytes()
+    (tmp_path / "model.safetensors").write_bytes(data[:len(data) // 2])
+    with pytest.raises(ValueError, match=rf"{tmp_path / 'model.safetensors'} is not a readable safetensors file"):
+        ik.load_pretrained(tmp_path)
+
+
+def test_bad_config_json_names_the_file(tiny, tmp_path):
+    cfg, params = tiny
+    ik.save_pretrained(tmp_path, cfg, params)
+    config = tmp_path / "config.json"
+    config.write_text("{not json")
+    with pytest.raises(ValueError, match=rf"{config} is not valid JSON"):
+        ik.load_pretrained(tmp_path)
+    config.write_text(json.dumps({"model_type": "inkling_text", "num_hidden_layers": 4, "n_routed_experts": 2,
+                                  "num_experts_per_tok": 3, "mlp_layer_types": ["sparse"] * 4}))
+    with pytest.raises(ValueError, match=rf"{config} does not describe an Inkling model: .*num_experts_per_tok"):
+        ik.load_pretrained(tmp_path)
+    config.unlink()
+    config.mkdir()  # unreadable as a file
+    with pytest.raises(ValueError, match=rf"cannot read {config}"):
+        ik.load_pretrained(tmp_path)
+
+
+def test_index_and_shard_disagreeing_names_file_and_tensor(tiny, tmp_path):
+    cfg, params = tiny
+    ik.save_pretrained(tmp_path, cfg, params, max_shard_bytes=100_000)
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())["weight_map"]
+    gone, wrong = "model.llm.layers.2.attn.wk_dv.weight", "model.llm.layers.1.attn.q_norm.weight"
+    for name, edit in ((gone, None), (wrong, np.ones(17, np.float32))):
+        shard = tmp_path / index[name]
+        t = load_file(shard)
+        if edit is None:
+            t.pop(name)
+        else:
+            t[name] = edit
+        save_file(t, shard)
+    with pytest.raises(ValueError) as err:
+        ik.load_pretrained(tmp_path)
+    msg = str(err.value)
+    assert f"tensor {gone}: model.safetensors.index.json maps it to {index[gone]}, which does not contain it" in msg
+    assert f"tensor {wrong} has shape (17,), expected (16,) (in {index[wrong]})" in msg
+    (tmp_path / index[gone]).unlink()
+    with pytest.raises(ValueError, match=rf"lists {index[gone]}, which does not exist"):
+        ik.load_pretrained(tmp_path)
+
+
+def test_flat_params_round_trip(tiny):
+    from inkling_jax.weights import flat_params, nest_params
+
+    _, params = tiny
+    flat = flat_params(params)
+    assert ("layers", 2, "attn", "wqkvr") in flat and ("mtp", "layers", 0, "input_proj") in flat
+    assert jax.tree_util.tree_structure(nest_params(flat)) == jax.tree_util.tree_structure(params)

@@ -1,5 +1,10 @@
 """Reference forward: whole sequences, no cache, differentiable. The oracle the serving
-steps are tested against (and itself tested against HF transformers)."""
+steps are tested against (and itself tested against HF transformers).
+
+Every function takes an optional `parallel` (`inkling_jax.parallel.ParallelAxes`): inside a
+`shard_map` over a mesh, with cfg the plan's local config and params one device's shard, it
+computes the same values as the unsharded call (see `layers.py` for the collectives and
+`inkling_jax.parallel.forward_sharded` for the wrapper). None: the single-device program."""
 
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ class DenseContext:
 
     cfg: InklingConfig
     positions: Int[Array, "b t"]
+    parallel: Any = None  # ParallelAxes when running as one shard of a mesh (read by layers.py)
 
     def conv(self, stream: str, x: Array, weight: Array) -> Array:
         return L.causal_conv(x, weight)[0]
@@ -30,31 +36,34 @@ class DenseContext:
         return L.attention_core(q, k, v, r, rel_proj, self.positions, self.positions, valid, geom, self.cfg)
 
 
-def forward_hidden(params: Params, cfg: InklingConfig, tokens: Int[Array, "b t"]) -> Float[Array, "b t h"]:
+def forward_hidden(params: Params, cfg: InklingConfig, tokens: Int[Array, "b t"], parallel: Any = None
+                   ) -> Float[Array, "b t h"]:
     """Final-normed hidden states (the tensor the LM head and MTP depth 0 read), model dtype."""
     dtype = params["unembed"].dtype
     b, t = tokens.shape
-    ctx = DenseContext(cfg, jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)))
-    x = L.embed(params, cfg, tokens, dtype)
+    ctx = DenseContext(cfg, jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)), parallel)
+    x = L.embed(params, cfg, tokens, dtype, parallel)
     for i, p in enumerate(params["layers"]):
         x = L.decoder_layer(p, cfg, cfg.layer_geometry(i), cfg.is_dense(i), x, ctx)
     return L.rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
 
 
-def forward(params: Params, cfg: InklingConfig, tokens: Int[Array, "b t"]) -> Float[Array, "b t v"]:
+def forward(params: Params, cfg: InklingConfig, tokens: Int[Array, "b t"], parallel: Any = None
+            ) -> Float[Array, "b t v"]:
     """Logits (fp32, unpadded vocab) for every position of tokens [B, T]."""
     tokens = jnp.asarray(tokens, jnp.int32)
-    return L.lm_head(params, cfg, forward_hidden(params, cfg, tokens))
+    return L.lm_head(params, cfg, forward_hidden(params, cfg, tokens, parallel), parallel)
 
 
-def mtp_depth_input(params: Params, cfg: InklingConfig, depth: int, h_prev: Array, tokens: Array) -> Array:
+def mtp_depth_input(params: Params, cfg: InklingConfig, depth: int, h_prev: Array, tokens: Array,
+                    parallel: Any = None) -> Array:
     """z = input_proj([hidden_norm(h_prev), enorm(embed_norm(E[tok]))]) for one MTP depth."""
     p = params["mtp"]["layers"][depth]
-    e = L.embed(params, cfg, tokens, h_prev.dtype)  # the target's embedding and embed_norm
+    e = L.embed(params, cfg, tokens, h_prev.dtype, parallel)  # the target's embedding and embed_norm
     e = L.rms_norm(e, p["embed_norm"], cfg.rms_norm_eps)
     hn = L.rms_norm(h_prev, p["hidden_norm"], cfg.rms_norm_eps)
     z = jnp.concatenate([hn, e] if cfg.mtp_hidden_states_first else [e, hn], axis=-1)
-    return L.linear(z, p["input_proj"])
+    return L.row_parallel_linear(z, p["input_proj"], parallel)
 
 
 def mtp_depth_output(params: Params, cfg: InklingConfig, y: Array) -> Array:
@@ -66,7 +75,7 @@ def mtp_depth_output(params: Params, cfg: InklingConfig, y: Array) -> Array:
 
 def mtp_forward(
     params: Params, cfg: InklingConfig, hidden: Float[Array, "b t h"], tokens: Int[Array, "b t"],
-    num_depths: int | None = None,
+    num_depths: int | None = None, parallel: Any = None,
 ) -> tuple[Float[Array, "d b t v"], Float[Array, "d b t h"]]:
     """The chain of MTP depths over whole sequences (the draft-prefill computation).
 
@@ -80,20 +89,20 @@ def mtp_forward(
     num_depths = cfg.num_mtp_layers if num_depths is None else num_depths
     tokens = jnp.asarray(tokens, jnp.int32)
     b, t = tokens.shape
-    ctx = DenseContext(cfg, jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)))
+    ctx = DenseContext(cfg, jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)), parallel)
     # stream[j] = t_{j+i+1} for depth i; starts as the target's view (shift by 1) and the
     # last slot is filled with the previous predictor's greedy token at that row.
-    prev_logits = L.lm_head(params, cfg, hidden)
+    prev_logits = L.lm_head(params, cfg, hidden, parallel)
     h_prev, known = hidden, tokens
     all_logits, all_hidden = [], []
     for d in range(num_depths):
         pred_last = jnp.argmax(prev_logits[:, -1], axis=-1).astype(jnp.int32)  # predicts t_{T+d}
         known = jnp.concatenate([known, pred_last[:, None]], axis=1)  # t_0 .. t_{T+d}
         step_tokens = known[:, d + 1:d + 1 + t]  # t_{j+d+1}
-        z = mtp_depth_input(params, cfg, d, h_prev, step_tokens)
+        z = mtp_depth_input(params, cfg, d, h_prev, step_tokens, parallel)
         y = L.decoder_layer(params["mtp"]["layers"][d]["block"], cfg, cfg.mtp_geometry(d), True, z, ctx)
         h_prev = mtp_depth_output(params, cfg, y)
-        prev_logits = L.lm_head(params, cfg, h_prev)
+        prev_logits = L.lm_head(params, cfg, h_prev, parallel)
         all_logits.append(prev_logits)
         all_hidden.append(h_prev)
     return jnp.stack(all_logits), jnp.stack(all_hidden)

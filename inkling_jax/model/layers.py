@@ -10,6 +10,29 @@ layout matters, the short convolutions and the attention over past keys, are del
 
 so one copy of the layer math serves the reference path (`forward.py`) and the cached steps.
 
+Optional context attributes, read with `getattr(ctx, name, None)` (absent = single device):
+
+    ctx.few_token_experts   a moe_experts_slices-like function for few-token MoE (a kernel)
+    ctx.parallel            a `inkling_jax.parallel.ParallelAxes`: the layer runs as one shard
+                            of a mesh-sharded model, inside `shard_map`, on the plan's *local*
+                            params (see `inkling_jax/parallel/plan.py`)
+
+With `ctx.parallel` set the residual stream [.., H] stays replicated and the layer adds the
+collectives of the tensor / expert parallel design, at exactly these points:
+
+    attention   after the output projection: psum over tp (each shard holds its heads)
+    dense MLP   after the down projection, before global_scale: psum over tp
+    MoE         the router runs replicated on the full router weights (the global config);
+                choices of experts held by other ep shards get weight 0; routed + shared
+                partial outputs: one psum over (ep, tp) (shared experts counted on ep rank 0)
+    embed       vocab rows sharded over tp: out-of-shard tokens read zeros, psum over tp
+    lm_head     vocab columns sharded over tp: all_gather over tp, then the unpadded slice
+    MTP input   `row_parallel_linear`: input_proj rows sharded over tp, psum over tp
+
+Partial outputs are cast to the activation dtype before the psum (as the single-device
+layer casts its output). Without `ctx.parallel` none of this is traced: the program is the
+single-device one.
+
 Numerics follow `reference/inkling-model.md` §7: matmuls accumulate in fp32 and return the
 activation dtype; norms, the router, SwiGLU, conv accumulation, softmax and log scaling run
 in fp32.
@@ -18,13 +41,16 @@ in fp32.
 from __future__ import annotations
 
 import math
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from ..config import AttentionGeometry, InklingConfig
+
+if TYPE_CHECKING:  # the parallel package imports this module; only the type is needed here
+    from ..parallel.axes import ParallelAxes
 
 Params = dict[str, Any]
 
@@ -35,6 +61,37 @@ class LayerContext(Protocol):
     def conv(self, stream: str, x: Array, weight: Array) -> Array: ...
 
     def attend(self, q: Array, k: Array, v: Array, r: Array, rel_proj: Array, geom: AttentionGeometry) -> Array: ...
+
+
+# ------------------------------------------------------------ mesh collectives
+
+
+def tp_psum(x: Array, parallel: "ParallelAxes | None") -> Array:
+    """Sum the tensor-parallel shards' partial outputs (identity without `parallel`)."""
+    return x if parallel is None else jax.lax.psum(x, parallel.tp_axis)
+
+
+def local_expert_choices(idx: Int[Array, "n k"], weight: Float[Array, "n k"], num_local: int,
+                         parallel: "ParallelAxes") -> tuple[Int[Array, "n k"], Float[Array, "n k"]]:
+    """Global expert choices -> this ep shard's local expert indices, with the weight of every
+    choice held by another shard set to 0 (and its index to local expert 0, a valid row).
+
+    Shard i of the ep axis holds experts [i * num_local, (i + 1) * num_local)."""
+    local = idx - jax.lax.axis_index(parallel.ep_axis) * num_local
+    held = (local >= 0) & (local < num_local)
+    return jnp.where(held, local, 0), jnp.where(held, weight, jnp.zeros((), weight.dtype))
+
+
+def row_parallel_linear(x: Float[Array, "... i"], w: Float[Array, "i_local o"],
+                        parallel: "ParallelAxes | None") -> Float[Array, "... o"]:
+    """x @ W for a replicated x [.., I] and this tp shard's rows [I/tp, O] of W: the shard's
+    slice of x times its rows, psum over tp (plain `linear` without `parallel`)."""
+    if parallel is None:
+        return linear(x, w)
+    rows = w.shape[0]
+    start = jax.lax.axis_index(parallel.tp_axis) * rows
+    part = linear(jax.lax.dynamic_slice_in_dim(x, start, rows, axis=x.ndim - 1), w)
+    return jax.lax.psum(part, parallel.tp_axis)
 
 
 # ----------------------------------------------------------------------------- basics
@@ -198,7 +255,7 @@ def attention_block(p: Params, cfg: InklingConfig, geom: AttentionGeometry, x: A
     v = v.reshape(*lead, geom.num_kv_heads, geom.head_dim)
     r = r.reshape(*lead, geom.num_heads, cfg.d_rel)
     o = ctx.attend(q, k, v, r, p["rel_proj"], geom)
-    return linear(o.reshape(*lead, geom.q_dim), p["wo"])
+    return tp_psum(linear(o.reshape(*lead, geom.q_dim), p["wo"]), getattr(ctx, "parallel", None))
 
 
 # ------------------------------------------------------------------------------ MLPs
@@ -212,8 +269,8 @@ def swiglu(x: Array, w13: Float[Array, "h two_i"], w2: Float[Array, "i h"]) -> A
     return linear(act, w2)
 
 
-def dense_mlp(p: Params, cfg: InklingConfig, x: Array) -> Array:
-    out = swiglu(x, p["w13"], p["w2"])
+def dense_mlp(p: Params, cfg: InklingConfig, x: Array, parallel: "ParallelAxes | None" = None) -> Array:
+    out = tp_psum(swiglu(x, p["w13"], p["w2"]), parallel)
     if "global_scale" in p:
         out = (out.astype(jnp.float32) * p["global_scale"].astype(jnp.float32)).astype(x.dtype)
     return out
@@ -303,18 +360,24 @@ MOE_IMPLS = {"dense": lambda *a: moe_experts_dense(*a), "gather": lambda *a: moe
 
 
 def moe_mlp(p: Params, cfg: InklingConfig, x: Array, experts_impl: str = "auto",
-            few_token_experts: Any = None) -> Array:
+            few_token_experts: Any = None, parallel: "ParallelAxes | None" = None) -> Array:
     """MoE: routed top-k experts plus shared experts (sink-weighted or plain).
 
     experts_impl: a MOE_IMPLS name, or "auto": a few tokens read only their experts (one slice
     per choice, or `few_token_experts`, a function with moe_experts_slices' signature such as
-    the Pallas grouped mat-vec kernel); past 3 * n * k > E reading every expert once is cheaper."""
+    the Pallas grouped mat-vec kernel); past 3 * n * k > E reading every expert once is cheaper.
+
+    With `parallel`, cfg is the local config (E / ep experts of width F / tp here) and the
+    router runs on `parallel.global_cfg` (see the module docstring)."""
     lead = x.shape[:-1]
     flat = x.reshape(-1, x.shape[-1])
-    idx, w, gamma = route(p, cfg, flat)
+    routing_cfg = cfg if parallel is None else parallel.global_cfg
+    idx, w, gamma = route(p, routing_cfg, flat)
+    if parallel is not None:
+        idx, w = local_expert_choices(idx, w, p["w13"].shape[0], parallel)
     n = flat.shape[0]
     if experts_impl == "auto":
-        experts_impl = "slices" if 3 * n * cfg.num_experts_per_tok <= cfg.n_routed_experts else "dense"
+        experts_impl = "slices" if 3 * n * routing_cfg.num_experts_per_tok <= cfg.n_routed_experts else "dense"
         if experts_impl == "slices" and few_token_experts is not None:
             experts_impl = few_token_experts
     fn = experts_impl if callable(experts_impl) else MOE_IMPLS[experts_impl]
@@ -330,12 +393,21 @@ def moe_mlp(p: Params, cfg: InklingConfig, x: Array, experts_impl: str = "auto",
             act = act * gs.T[:, :, None]
         act = act.astype(flat.dtype)
         shared = jnp.einsum("snf,sfh->snh", act, p["shared_w2"].astype(flat.dtype), preferred_element_type=jnp.float32)
-        out = out + shared[:, :n].astype(flat.dtype).astype(jnp.float32).sum(axis=0)
-    return out.astype(x.dtype).reshape(*lead, x.shape[-1])
+        shared = shared[:, :n].astype(flat.dtype).astype(jnp.float32).sum(axis=0)
+        if parallel is not None and parallel.ep > 1:  # every ep shard holds the shared experts: count them once
+            shared = jnp.where(jax.lax.axis_index(parallel.ep_axis) == 0, shared, 0.0)
+        out = out + shared
+    out = out.astype(x.dtype)
+    if parallel is not None:
+        out = jax.lax.psum(out, (parallel.ep_axis, parallel.tp_axis))
+    return out.reshape(*lead, x.shape[-1])
 
 
-def mlp(p: Params, cfg: InklingConfig, dense: bool, x: Array, few_token_experts: Any = None) -> Array:
-    return dense_mlp(p, cfg, x) if dense else moe_mlp(p, cfg, x, few_token_experts=few_token_experts)
+def mlp(p: Params, cfg: InklingConfig, dense: bool, x: Array, few_token_experts: Any = None,
+        parallel: "ParallelAxes | None" = None) -> Array:
+    if dense:
+        return dense_mlp(p, cfg, x, parallel)
+    return moe_mlp(p, cfg, x, few_token_experts=few_token_experts, parallel=parallel)
 
 
 # ----------------------------------------------------------------------- the layer
@@ -349,21 +421,38 @@ def decoder_layer(
     a = attention_block(p["attn"], cfg, geom, h, ctx)
     x = x + ctx.conv("attn", a, p["attn_conv"])
     h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
-    m = mlp(p["mlp"], cfg, dense, h, getattr(ctx, "few_token_experts", None))
+    m = mlp(p["mlp"], cfg, dense, h, getattr(ctx, "few_token_experts", None), getattr(ctx, "parallel", None))
     return x + ctx.conv("mlp", m, p["mlp_conv"])
 
 
-def embed(params: Params, cfg: InklingConfig, tokens: Array, dtype: Any) -> Array:
-    x = params["embed"][tokens].astype(dtype)
+def embed(params: Params, cfg: InklingConfig, tokens: Array, dtype: Any,
+          parallel: "ParallelAxes | None" = None) -> Array:
+    """Token embeddings (+ embed_norm). With `parallel`, params["embed"] holds this tp shard's
+    rows [V/tp, H]: tokens of other shards read zeros, and the psum over tp assembles them."""
+    if parallel is None:
+        x = params["embed"][tokens].astype(dtype)
+    else:
+        rows = params["embed"].shape[0]
+        local = tokens - jax.lax.axis_index(parallel.tp_axis) * rows
+        held = (local >= 0) & (local < rows)
+        x = params["embed"][jnp.clip(local, 0, rows - 1)].astype(dtype)
+        x = jax.lax.psum(jnp.where(held[..., None], x, jnp.zeros((), dtype)), parallel.tp_axis)
     if cfg.use_embed_norm:
         x = rms_norm(x, params["embed_norm"], cfg.rms_norm_eps)
     return x
 
 
-def lm_head(params: Params, cfg: InklingConfig, h: Array) -> Float[Array, "... v"]:
-    """Logits (fp32) from final-normed hidden states: (h / mup) @ unembed, sliced to the real vocab."""
+def lm_head(params: Params, cfg: InklingConfig, h: Array, parallel: "ParallelAxes | None" = None
+            ) -> Float[Array, "... v"]:
+    """Logits (fp32) from final-normed hidden states: (h / mup) @ unembed, sliced to the real vocab.
+
+    With `parallel`, params["unembed"] holds this tp shard's columns [H, V/tp]: the shards'
+    logits are gathered over tp (to [.., V_pad], replicated) before the unpadded slice."""
     h = (h.astype(jnp.float32) / cfg.logits_mup_width_multiplier).astype(h.dtype)
     logits = matmul(h, params["unembed"])
+    if parallel is not None:
+        logits = jax.lax.all_gather(logits, parallel.tp_axis, axis=logits.ndim - 1, tiled=True)
+        cfg = parallel.global_cfg
     logits = logits[..., :cfg.unpadded_vocab_size]
     if cfg.final_logit_softcapping is not None:
         c = cfg.final_logit_softcapping
