@@ -208,53 +208,37 @@ def _first(v: Any) -> Any:
 # ------------------------------------------------------------------------- writing
 
 
+# InklingConfig fields that the inkling_text dialect spells as we do
+_SAME_NAMES = ("vocab_size", "unpadded_vocab_size", "hidden_size", "head_dim", "swa_head_dim", "d_rel", "rel_extent",
+               "log_scaling_n_floor", "log_scaling_alpha", "rms_norm_eps", "conv_kernel_size", "n_routed_experts",
+               "n_shared_experts", "num_experts_per_tok", "route_scale", "shared_expert_sink",
+               "logits_mup_width_multiplier", "chain_hidden_post_norm", "mtp_hidden_states_first", "bos_token_id",
+               "eos_token_id")
+# fields HF does not model; written so that our own loader round-trips them
+_OURS_ONLY = ("use_embed_norm", "use_gate_bias", "use_global_scale", "norm_after_topk", "gate_activation",
+              "shared_experts_size", "final_logit_softcapping")
+
+
 def to_transformers(cfg: "InklingConfig") -> dict[str, Any]:
     """The `inkling_text` config dict (HF `InklingForCausalLM`; the hub's `text_config`)."""
-    return dict(
+    d = dict(
         model_type="inkling_text",
-        vocab_size=cfg.vocab_size,
-        unpadded_vocab_size=cfg.unpadded_vocab_size,
-        hidden_size=cfg.hidden_size,
         num_hidden_layers=cfg.num_layers,
         num_attention_heads=cfg.num_heads,
         num_key_value_heads=cfg.num_kv_heads,
-        head_dim=cfg.head_dim,
         swa_num_attention_heads=cfg.swa_num_heads,
         swa_num_key_value_heads=cfg.swa_num_kv_heads,
-        swa_head_dim=cfg.swa_head_dim,
         local_layer_ids=list(cfg.local_layer_ids),
         layer_types=["hybrid_sliding" if cfg.is_sliding(i) else "hybrid" for i in range(cfg.num_layers)],
         sliding_window_size=cfg.sliding_window,
-        d_rel=cfg.d_rel,
-        rel_extent=cfg.rel_extent,
-        log_scaling_n_floor=cfg.log_scaling_n_floor,
-        log_scaling_alpha=cfg.log_scaling_alpha,
-        rms_norm_eps=cfg.rms_norm_eps,
-        conv_kernel_size=cfg.conv_kernel_size,
         mlp_layer_types=["dense" if cfg.is_dense(i) else "sparse" for i in range(cfg.num_layers)],
         intermediate_size=cfg.dense_intermediate_size,
         moe_intermediate_size=cfg.expert_intermediate_size,
-        n_routed_experts=cfg.n_routed_experts,
-        n_shared_experts=cfg.n_shared_experts,
-        num_experts_per_tok=cfg.num_experts_per_tok,
-        route_scale=cfg.route_scale,
-        shared_expert_sink=cfg.shared_expert_sink,
-        logits_mup_width_multiplier=cfg.logits_mup_width_multiplier,
-        chain_hidden_post_norm=cfg.chain_hidden_post_norm,
-        mtp_hidden_states_first=cfg.mtp_hidden_states_first,
         mtp_local_layer_ids=list(cfg.mtp_local_layer_ids) or None,
         num_mtp_layers=cfg.num_mtp_layers or None,
-        bos_token_id=cfg.bos_token_id,
-        eos_token_id=cfg.eos_token_id,
-        # fields HF does not model; kept so our own loader round-trips them
-        use_embed_norm=cfg.use_embed_norm,
-        use_gate_bias=cfg.use_gate_bias,
-        use_global_scale=cfg.use_global_scale,
-        norm_after_topk=cfg.norm_after_topk,
-        gate_activation=cfg.gate_activation,
-        shared_experts_size=cfg.shared_experts_size,
-        final_logit_softcapping=cfg.final_logit_softcapping,
     )
+    d.update({name: getattr(cfg, name) for name in _SAME_NAMES + _OURS_ONLY})
+    return d
 
 
 def to_hub(cfg: "InklingConfig") -> dict[str, Any]:
