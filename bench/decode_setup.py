@@ -156,7 +156,7 @@ def make_state(s: Setup) -> tuple[RowIds, ServingState]:
     lay = ArenaLayout.build(s.cfg, s.page_size)
     rows = max(s.batches)
     ids = RowIds(lay, rows, rows * s.pages_per_row, s.pages_per_row)
-    num_units = (ids.num_slots + 1) * lay.slot_units + (ids.num_pages + 1) * lay.page_units
+    num_units = lay.arena_units(ids.num_slots, ids.num_pages)
 
     @jax.jit
     def build(key):

@@ -19,6 +19,7 @@ from kernel_timing import Timer, Timing
 from pallas_kernels.conv_state import pallas as conv_pallas
 from pallas_kernels.conv_state import ref as conv_ref
 from pallas_kernels.conv_state.ref import PackedRows
+from pallas_kernels.slot_ops.ref import unit_rows
 
 from inkling_jax.cache.layout import ArenaLayout, Field
 from inkling_jax.config import InklingConfig
@@ -297,8 +298,8 @@ def slot_cases(s: Setup, ops, rows: int, rng) -> list[Row]:
     perm = rng.permutation(np.arange(1, 2 * rows + 2))
     src, dst = jnp.asarray(perm[:rows], jnp.int32), jnp.asarray(perm[rows:2 * rows], jnp.int32)
     dst_chk = dst.at[::3].set(0)  # pairs aimed at the sink: inert
-    src_units = (src[:, None] * su + jnp.arange(su)[None, :]).reshape(-1).astype(jnp.int32)
-    dst_units = (dst[:, None] * su + jnp.arange(su)[None, :]).reshape(-1).astype(jnp.int32)
+    src_units = unit_rows(lay.slot_row(src), su).reshape(-1)  # every unit of the slots, one by one
+    dst_units = unit_rows(lay.slot_row(dst), su).reshape(-1)
     slot_bytes = su * e * item
     kw = dict(sink_rows=lay.sink_rows)
     specs = [

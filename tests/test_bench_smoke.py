@@ -52,7 +52,7 @@ def test_decode_rows_pack_into_each_shape(bench):
     s = S.make_setup(S.parse_args(["--smoke"]))
     ids, state = S.make_state(s)
     assert state.slot_v2p.shape == (ids.num_slots + 1,) and state.page_v2p.shape == (ids.num_pages + 1,)
-    assert state.arena.shape[0] == (ids.num_slots + 1) * ids.layout.slot_units + (ids.num_pages + 1) * ids.layout.page_units
+    assert state.arena.shape[0] == ids.layout.arena_units(ids.num_slots, ids.num_pages)
     for shape in (S.extend_long_shape(s), S.extend_batch_shape(s), S.decode_shape(s, max(s.batches), s.hf_context)):
         n = min(shape.batch, max(s.batches))
         per_row = shape.tokens // shape.batch

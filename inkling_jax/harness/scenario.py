@@ -28,7 +28,7 @@ class Geometry:
 
     @property
     def num_units(self) -> int:
-        return (self.num_slots + 1) * self.layout.slot_units + (self.num_pages + 1) * self.layout.page_units
+        return self.layout.arena_units(self.num_slots, self.num_pages)
 
     def state(self, arena: np.ndarray | None = None, seed: int = 0, dtype: Any = jnp.float32) -> ServingState:
         """A state of this geometry: zero arena unless given; slot and page tables shuffled
