@@ -1,25 +1,20 @@
-"""Inkling model configuration: one frozen dataclass, three config dialects, presets.
+"""Inkling model configuration: one frozen dataclass, its derived geometry, presets.
 
-The field set follows `reference/inkling-model.md` §1. Names are ours where the dialects
+The field set follows Inkling's model definition. Names are ours where the config dialects
 disagree (HF's `intermediate_size` is the dense width, sglang's is the expert width; we say
-`dense_intermediate_size` and `expert_intermediate_size`).
-
-Dialects read by `InklingConfig.from_hf`:
-- `inkling_mm_model`: the hub / HF `InklingForConditionalGeneration` config, a `text_config`
-  plus a top-level `mtp_config` (`num_nextn_predict_layers`, `local_layer_ids`, ...).
-- `inkling_text`: HF `InklingForCausalLM` (`layer_types`, `mlp_layer_types`,
-  `num_mtp_layers`, `mtp_local_layer_ids`, `unpadded_vocab_size`).
-- `inkling_model`: sglang (`local_layer_ids`, `dense_mlp_idx`, `padded_vocab_size`,
-  `num_nextn_predict_layers`, ...).
+`dense_intermediate_size` and `expert_intermediate_size`). `InklingConfig.from_hf` / `to_hf`
+read and write the three config.json dialects (hub `inkling_mm_model`, transformers
+`inkling_text`, sglang `inkling_model`); the parsers live in `hf_config.py`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from dataclasses import dataclass
 from typing import Any, Mapping
+
+from . import hf_config
 
 
 @dataclass(frozen=True)
@@ -271,202 +266,8 @@ class InklingConfig:
         """Parse an `inkling_mm_model`, `inkling_text` (HF) or `inkling_model` (sglang) config.
 
         `d` is a dict or a path to a config.json (or to the directory holding it)."""
-        if not isinstance(d, Mapping):
-            path = os.fspath(d)
-            if os.path.isdir(path):
-                path = os.path.join(path, "config.json")
-            with open(path) as f:
-                d = json.load(f)
-        d = dict(d)
-        model_type = d.get("model_type", "inkling_text")
-        mtp: dict[str, Any] = {}
-        if model_type == "inkling_mm_model" or "text_config" in d:
-            mtp = dict(d.get("mtp_config") or {})
-            text = dict(d.get("text_config") or {})
-            text.setdefault("model_type", "inkling_text")
-            d = text
-            model_type = d["model_type"]
-        if model_type not in ("inkling_text", "inkling_model", "inkling"):
-            raise ValueError(f"from_hf: unsupported model_type {model_type!r}")
-
-        def get(*names: str, default: Any = None) -> Any:
-            for n in names:
-                if n in d and d[n] is not None:
-                    return d[n]
-            return default
-
-        num_layers = int(get("num_hidden_layers", "num_layers", default=66))
-
-        # Layer kinds. HF's layer_types wins; then an explicit local_layer_ids; then HF's default
-        # pattern (every layer with (i+1) % 6 != 0 is local). sglang lists local_layer_ids
-        # explicitly and treats a missing list as "all full".
-        if d.get("layer_types") is not None:
-            local = tuple(i for i, t in enumerate(d["layer_types"]) if t in ("hybrid_sliding", "sliding_attention"))
-        elif d.get("local_layer_ids") is not None:
-            local = tuple(d["local_layer_ids"])
-        elif model_type == "inkling_model":
-            local = ()
-        else:
-            local = tuple(i for i in range(num_layers) if (i + 1) % 6)
-
-        if d.get("mlp_layer_types") is not None:
-            dense = tuple(i for i, t in enumerate(d["mlp_layer_types"]) if t == "dense")
-        else:
-            dense = tuple(range(int(get("dense_mlp_idx", default=0))))
-
-        # Widths. sglang: intermediate_size = expert width, dense_intermediate_size = dense width.
-        # HF: intermediate_size = dense width, moe_intermediate_size = expert width.
-        if model_type == "inkling_model" or d.get("dense_intermediate_size") is not None:
-            expert_w = int(get("moe_intermediate_size", "intermediate_size", default=3072))
-            dense_w = int(get("dense_intermediate_size", default=get("intermediate_size", default=expert_w)))
-            if d.get("moe_intermediate_size") is None:
-                expert_w = int(get("intermediate_size", default=3072))
-        else:
-            dense_w = int(get("intermediate_size", default=24576))
-            expert_w = int(get("moe_intermediate_size", default=3072))
-
-        padded = int(get("padded_vocab_size", "vocab_size", default=201024))
-        # sglang resets vocab_size to the unpadded size when padded_vocab_size is present
-        sglang_unpadded = d.get("vocab_size") if "padded_vocab_size" in d else None
-        unpadded = int(get("unpadded_vocab_size", default=sglang_unpadded or padded))
-
-        num_heads = int(get("num_attention_heads", default=64))
-        num_kv = int(get("num_key_value_heads", default=num_heads))
-        hidden = int(get("hidden_size", default=6144))
-        head_dim = int(get("head_dim", default=hidden // num_heads))
-
-        num_mtp = get("num_mtp_layers", "num_nextn_predict_layers")
-        if num_mtp is None:
-            num_mtp = mtp.get("num_nextn_predict_layers", mtp.get("num_mtp_layers"))
-        mtp_local = get("mtp_local_layer_ids")
-        if mtp_local is None:
-            mtp_local = mtp.get("local_layer_ids", mtp.get("mtp_local_layer_ids"))
-        chain_norm = get("chain_hidden_post_norm")
-        if chain_norm is None:
-            chain_norm = mtp.get("chain_hidden_post_norm", False)
-
-        def mtp_get(name: str) -> Any:
-            v = get("mtp_" + name)
-            return v if v is not None else mtp.get(name, mtp.get("mtp_" + name))
-
-        n_shared = int(get("n_shared_experts", default=0))
-        return cls(
-            vocab_size=padded,
-            unpadded_vocab_size=unpadded,
-            hidden_size=hidden,
-            num_layers=num_layers,
-            num_heads=num_heads,
-            num_kv_heads=num_kv,
-            head_dim=head_dim,
-            swa_num_heads=int(get("swa_num_attention_heads", default=num_heads)),
-            swa_num_kv_heads=int(get("swa_num_key_value_heads", default=num_kv)),
-            swa_head_dim=int(get("swa_head_dim", default=head_dim)),
-            local_layer_ids=local,
-            sliding_window=int(get("sliding_window_size", "sliding_window", default=512)),
-            d_rel=int(get("d_rel", default=16)),
-            rel_extent=int(get("rel_extent", default=1024)),
-            log_scaling_n_floor=get("log_scaling_n_floor"),
-            log_scaling_alpha=float(get("log_scaling_alpha", default=0.1)),
-            rms_norm_eps=float(get("rms_norm_eps", default=1e-6)),
-            use_embed_norm=bool(get("use_embed_norm", default=model_type != "inkling_model")),
-            use_sconv=bool(get("use_sconv", default=True)),
-            conv_kernel_size=int(get("sconv_kernel_size", "conv_kernel_size", default=4)),
-            dense_layer_ids=dense,
-            dense_intermediate_size=dense_w,
-            expert_intermediate_size=expert_w,
-            n_routed_experts=int(get("n_routed_experts", "num_local_experts", default=0)),
-            n_shared_experts=n_shared,
-            num_experts_per_tok=int(get("num_experts_per_tok", default=1)),
-            route_scale=float(get("route_scale", default=1.0)),
-            use_gate_bias=bool(get("use_gate_bias", default=True)),
-            use_global_scale=bool(get("use_global_scale", default=True)),
-            norm_after_topk=bool(get("norm_after_topk", default=True)),
-            gate_activation=str(get("gate_activation", default="sigmoid")),
-            shared_expert_sink=bool(get("shared_expert_sink", default=True)),
-            shared_experts_size=int(get("shared_experts_size", default=1)),
-            logits_mup_width_multiplier=float(get("logits_mup_width_multiplier", "embedding_multiplier", default=1.0)),
-            final_logit_softcapping=get("final_logit_softcapping"),
-            tie_word_embeddings=bool(get("tie_word_embeddings", default=False)),
-            num_mtp_layers=int(num_mtp or 0),
-            mtp_local_layer_ids=tuple(mtp_local or ()),
-            mtp_local_extent=mtp_get("local_extent"),
-            mtp_swa_num_heads=mtp_get("swa_num_attention_heads"),
-            mtp_swa_num_kv_heads=mtp_get("swa_num_key_value_heads"),
-            mtp_swa_head_dim=mtp_get("swa_head_dim"),
-            chain_hidden_post_norm=bool(chain_norm),
-            mtp_hidden_states_first=bool(get("mtp_hidden_states_first", default=True)),
-            bos_token_id=get("bos_token_id"),
-            eos_token_id=_first(get("eos_token_id")),
-        )
+        return hf_config.parse(d, cls)
 
     def to_hf(self) -> dict[str, Any]:
         """The `inkling_mm_model` config.json dict (hub layout, loadable by HF transformers)."""
-        text = dict(
-            model_type="inkling_text",
-            vocab_size=self.vocab_size,
-            unpadded_vocab_size=self.unpadded_vocab_size,
-            hidden_size=self.hidden_size,
-            num_hidden_layers=self.num_layers,
-            num_attention_heads=self.num_heads,
-            num_key_value_heads=self.num_kv_heads,
-            head_dim=self.head_dim,
-            swa_num_attention_heads=self.swa_num_heads,
-            swa_num_key_value_heads=self.swa_num_kv_heads,
-            swa_head_dim=self.swa_head_dim,
-            local_layer_ids=list(self.local_layer_ids),
-            layer_types=["hybrid_sliding" if self.is_sliding(i) else "hybrid" for i in range(self.num_layers)],
-            sliding_window_size=self.sliding_window,
-            d_rel=self.d_rel,
-            rel_extent=self.rel_extent,
-            log_scaling_n_floor=self.log_scaling_n_floor,
-            log_scaling_alpha=self.log_scaling_alpha,
-            rms_norm_eps=self.rms_norm_eps,
-            conv_kernel_size=self.conv_kernel_size,
-            mlp_layer_types=["dense" if self.is_dense(i) else "sparse" for i in range(self.num_layers)],
-            intermediate_size=self.dense_intermediate_size,
-            moe_intermediate_size=self.expert_intermediate_size,
-            n_routed_experts=self.n_routed_experts,
-            n_shared_experts=self.n_shared_experts,
-            num_experts_per_tok=self.num_experts_per_tok,
-            route_scale=self.route_scale,
-            shared_expert_sink=self.shared_expert_sink,
-            logits_mup_width_multiplier=self.logits_mup_width_multiplier,
-            chain_hidden_post_norm=self.chain_hidden_post_norm,
-            mtp_hidden_states_first=self.mtp_hidden_states_first,
-            mtp_local_layer_ids=list(self.mtp_local_layer_ids) or None,
-            num_mtp_layers=self.num_mtp_layers or None,
-            bos_token_id=self.bos_token_id,
-            eos_token_id=self.eos_token_id,
-            # fields HF does not model; kept so our own loader round-trips them
-            use_embed_norm=self.use_embed_norm,
-            use_gate_bias=self.use_gate_bias,
-            use_global_scale=self.use_global_scale,
-            norm_after_topk=self.norm_after_topk,
-            gate_activation=self.gate_activation,
-            shared_experts_size=self.shared_experts_size,
-            final_logit_softcapping=self.final_logit_softcapping,
-        )
-        mtp = dict(num_nextn_predict_layers=self.num_mtp_layers,
-                   chain_hidden_post_norm=self.chain_hidden_post_norm,
-                   local_layer_ids=list(self.mtp_local_layer_ids))
-        for name, value in (("local_extent", self.mtp_local_extent),
-                            ("swa_num_attention_heads", self.mtp_swa_num_heads),
-                            ("swa_num_key_value_heads", self.mtp_swa_num_kv_heads),
-                            ("swa_head_dim", self.mtp_swa_head_dim)):
-            if value is not None:
-                mtp[name] = value
-        return dict(
-            architectures=["InklingForConditionalGeneration"],
-            model_type="inkling_mm_model",
-            text_config=text,
-            mtp_config=mtp,
-            vision_config=dict(model_type="inkling_vision", text_hidden_size=self.hidden_size,
-                               hidden_size=64, n_layers=2, num_attention_heads=2),
-            audio_config=dict(model_type="inkling_audio", text_hidden_size=self.hidden_size),
-        )
-
-
-def _first(v: Any) -> Any:
-    if isinstance(v, (list, tuple)):
-        return v[0] if v else None
-    return v
+        return hf_config.to_hub(self)

@@ -557,6 +557,27 @@ def _to_numpy(x: Any, dtype: Any) -> Array:
 
 # ------------------------------------------------------------------------- saving
 
+# fp32 leaves that stay fp32 when a checkpoint is written in a lower precision
+KEEP_FP32 = frozenset({"k_conv", "v_conv", "attn_conv", "mlp_conv", "router", "router_bias", "router_scale"})
+
+
+def checkpoint_tensors(cfg: InklingConfig, params: Params, naming: str = "hub", dtype: Any = None) -> dict[str, Array]:
+    """The checkpoint tensors of `params` (numpy, torch layout) under `naming` ("hub" or
+    "transformers"): what `save_pretrained` writes, and what HF's modules hold (see
+    `hf_transformers.causal_lm`). dtype: the tensors' dtype (default: as the params are;
+    fp32 conv and router leaves stay fp32)."""
+    check_params(cfg, params)
+    np_dtype = None if dtype is None else np.dtype(jnp.dtype(dtype))
+    flat = flat_params(params)
+    tensors: dict[str, Array] = {}
+    for e in entries(cfg, naming):
+        value = flat[e.path]
+        keep32 = str(value.dtype) == "float32" and e.path[-1] in KEEP_FP32
+        arr = _to_numpy(value, None if (np_dtype is None or keep32) else np_dtype)
+        for name, t in zip(e.names, e.to_tensors(arr)):
+            tensors[name] = np.ascontiguousarray(t)
+    return tensors
+
 
 def save_pretrained(path: str | os.PathLike, cfg: InklingConfig, params: Params, naming: str = "hub",
                     dtype: Any = None, max_shard_bytes: int = 4 << 30) -> None:
@@ -580,17 +601,8 @@ def save_pretrained(path: str | os.PathLike, cfg: InklingConfig, params: Params,
     if os.path.exists(path) and not os.path.isdir(path):
         raise ValueError(f"save_pretrained: {path} exists and is not a directory")
     os.makedirs(path, exist_ok=True)
-    check_params(cfg, params)
+    tensors = checkpoint_tensors(cfg, params, naming, dtype)
     np_dtype = None if dtype is None else np.dtype(jnp.dtype(dtype))
-    flat = flat_params(params)
-    tensors: dict[str, Array] = {}
-    for e in entries(cfg, naming):
-        value = flat[e.path]
-        keep32 = str(value.dtype) == "float32" and e.path[-1] in {"k_conv", "v_conv", "attn_conv", "mlp_conv",
-                                                                  "router", "router_bias", "router_scale"}
-        arr = _to_numpy(value, None if (np_dtype is None or keep32) else np_dtype)
-        for name, t in zip(e.names, e.to_tensors(arr)):
-            tensors[name] = np.ascontiguousarray(t)
     config = cfg.to_hf()
     if naming == "transformers":
         config = dict(config["text_config"], architectures=["InklingForCausalLM"])

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import inkling_jax as ik
+from inkling_jax import hf_transformers
 
 # Three tiny configs that between them exercise: full and sliding layers with sequences
 # longer than the window and rel_extent, log scaling active (small n_floor), dense and MoE
@@ -38,18 +39,13 @@ PARITY_CONFIGS = {
 
 
 def hf_config(cfg: ik.InklingConfig):
-    from transformers.models.inkling import InklingConfig as HFConfig
-
-    d = cfg.to_hf()
-    return HFConfig(**{k: v for k, v in d.items() if k not in ("architectures", "model_type")})
+    """transformers' InklingConfig (InklingForConditionalGeneration) of cfg."""
+    return hf_transformers.mm_config(cfg)
 
 
 def hf_text_config(cfg: ik.InklingConfig):
-    from transformers.models.inkling import InklingTextConfig
-
-    d = dict(cfg.to_hf()["text_config"])
-    d.pop("model_type")
-    return InklingTextConfig(**d)
+    """transformers' InklingTextConfig (InklingForCausalLM) of cfg."""
+    return hf_transformers.text_config(cfg)
 
 
 def perturb_(model, seed: int = 0, head_std: float = 0.5) -> None:

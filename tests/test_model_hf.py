@@ -1,5 +1,6 @@
 """The reference forward against HF transformers 5.24 (the independent oracle), through
-both checkpoint namings and both save directions.
+both checkpoint namings and both save directions, and the in-memory HF model
+(`hf_transformers.causal_lm`, the oracle of bench/decode.py) against the saved checkpoint.
 
 Tolerance: max |logit diff| <= 1e-4 * max |logit| (float32 on CPU; the two implementations
 differ only in summation order, measured diffs are ~1e-7 relative)."""
@@ -93,3 +94,31 @@ def test_transformers_naming_both_directions(name, tmp_path, torch_threads):
     with torch_threads.no_grad():
         ref2 = back(input_ids=torch_threads.tensor(tokens, dtype=torch_threads.long)).logits.numpy()
     assert_logits_close(ours, ref2)
+
+
+@pytest.mark.parametrize("name, dtype", [("heads", "float32"), ("tiny", "bfloat16")])
+def test_in_memory_hf_model_is_the_saved_checkpoint(name, dtype, tmp_path, torch_threads):
+    """causal_lm(cfg, params, dtype) holds exactly the tensors (values and dtypes, keep-in-fp32
+    modules included) that from_pretrained of our transformers-naming checkpoint loads, and
+    gives our logits."""
+    from transformers.models.inkling import InklingForCausalLM
+
+    from inkling_jax.hf_transformers import causal_lm
+
+    torch = torch_threads
+    cfg = PARITY_CONFIGS[name]
+    params = ik.cast_params(ik.init_params(cfg, __import__("jax").random.key(4), std=0.1), jnp.dtype(dtype))
+    model = causal_lm(cfg, params, getattr(torch, dtype))
+    trunk = cfg.replace(num_mtp_layers=0, mtp_local_layer_ids=())
+    ik.save_pretrained(tmp_path, trunk, {k: v for k, v in params.items() if k != "mtp"}, naming="transformers")
+    saved = InklingForCausalLM.from_pretrained(tmp_path, dtype=getattr(torch, dtype)).state_dict()
+    got = model.state_dict()
+    assert sorted(got) == sorted(saved)
+    for k, v in saved.items():
+        assert got[k].dtype == v.dtype and torch.equal(got[k], v), k
+    assert {str(v.dtype) for v in got.values()} >= {f"torch.{dtype}"}
+    if dtype == "float32":
+        tokens = random_tokens(cfg, (2, SEQ), seed=5)
+        with torch.no_grad():
+            ref = model(input_ids=torch.tensor(tokens, dtype=torch.long)).logits.numpy()
+        assert_logits_close(ik.forward(params, cfg, tokens), ref)

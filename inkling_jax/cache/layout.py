@@ -18,7 +18,8 @@ Where things are (the one place that says it; kernels take the rows these give):
     physical page q, page layer l:   arena row  U - (q + 1) * page_units + l  (`page_unit_row`)
     conv stream s of a layer:        channels `LayerSlotFields.channels(s)` of its conv field
 
-Physical slot 0 (rows [0, slot_units)) and physical page 0 are sinks.
+Physical slot 0 (rows [0, slot_units)) and physical page 0 are sinks; an arena of n slots
+and m pages has `arena_units(n, m)` = (n + 1) * slot_units + (m + 1) * page_units units.
 
 The unit is one full-attention layer's K/V page: `page_size * 2 * kv_heads * head_dim`
 elements. Every field starts on a unit boundary, so steps move whole units (int32 row
@@ -152,6 +153,10 @@ class ArenaLayout:
     def page_row(self, physical_page, num_units: int, page_layer: int):
         """Arena row holding `page_layer`'s K/V of the given physical pages."""
         return page_unit_row(physical_page, num_units, self.page_units, page_layer)
+
+    def arena_units(self, num_slots: int, num_pages: int) -> int:
+        """Units of an arena holding num_slots slots and num_pages pages besides the two sinks."""
+        return (num_slots + 1) * self.slot_units + (num_pages + 1) * self.page_units
 
     @property
     def sink_rows(self) -> int:

@@ -80,7 +80,7 @@ class Engine:
             raise ValueError("track_interval must exceed spec_steps + 1 (one checkpoint per verify at most)")
         self.cfg, self.params, self.config = cfg, params, config
         self.layout = lay = ArenaLayout.build(cfg, config.page_size, config.spec_steps)
-        num_units = (config.num_slots + 1) * lay.slot_units + (config.num_pages + 1) * lay.page_units
+        num_units = lay.arena_units(config.num_slots, config.num_pages)
         check_arena_fits(num_units, lay, params["unembed"].dtype)  # before any host table of that size
         self.pool = UnitPool(num_units, lay.slot_units, lay.page_units, unified=config.pool == "unified",
                              lazy=config.ping_pong == "lazy", num_slots=config.num_slots,

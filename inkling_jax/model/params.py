@@ -20,6 +20,8 @@ bias and scales stay fp32 whatever the model dtype (as sglang and HF keep them).
 
 from __future__ import annotations
 
+import math
+
 from typing import Any
 
 import jax
@@ -109,30 +111,49 @@ def leaf_dtype(name: str, dtype: Any) -> Any:
     return jnp.float32 if name in FP32_LEAVES else dtype
 
 
+DEVICE_INIT_ELEMS = 1 << 20  # leaves at least this large are drawn on the device
+
+
 def init_params(cfg: InklingConfig, key: jax.Array, dtype: Any = jnp.float32, std: float = 0.02) -> Params:
     """Random parameters: normal(std) matrices, unit norms and scales, normal(0.3) conv taps,
     zero router bias. Deterministic for a given key.
 
-    Sampled with numpy's generator seeded from the key's bits: a jitted jax.random init of
-    a few hundred leaves takes longer to compile than the model does."""
+    Leaves below DEVICE_INIT_ELEMS elements are sampled with numpy's generator seeded from
+    the key's bits (a jitted init of a few hundred small leaves takes longer to compile than
+    the model does); larger ones on the device, one small jit per distinct shape (host
+    sampling and the transfer of a few GB took about a minute for the bench preset)."""
     seed = np.asarray(jax.random.key_data(key)).astype(np.uint64).ravel().tolist()
     rng = np.random.default_rng(seed)
     shapes = param_shapes(cfg)
     paths, treedef = jax.tree_util.tree_flatten_with_path(shapes, is_leaf=is_shape)
     leaves = []
-    for path, shape in paths:
+    for i, (path, shape) in enumerate(paths):
         name = _leaf_name(path)
         dt = leaf_dtype(name, dtype)
         if name.endswith("norm") or name in ("global_scale", "router_scale"):
-            x = np.ones(shape, np.float32)
-        elif name == "router_bias":
-            x = np.zeros(shape, np.float32)
-        elif name.endswith("conv"):
-            x = 0.3 * rng.standard_normal(shape, np.float32)
+            leaves.append(jnp.ones(shape, dt))
+            continue
+        if name == "router_bias":
+            leaves.append(jnp.zeros(shape, dt))
+            continue
+        scale = 0.3 if name.endswith("conv") else std
+        if math.prod(shape) >= DEVICE_INIT_ELEMS:
+            leaves.append(_device_normal(jax.random.fold_in(key, i), tuple(shape), jnp.dtype(dt), scale))
         else:
-            x = std * rng.standard_normal(shape, np.float32)
-        leaves.append(jnp.asarray(x, dt))
+            leaves.append(jnp.asarray(scale * rng.standard_normal(shape, np.float32), dt))
     return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+_NORMAL_SAMPLERS: dict[tuple, Any] = {}
+
+
+def _device_normal(key: jax.Array, shape: tuple[int, ...], dtype: Any, scale: float) -> jax.Array:
+    """scale * N(0, 1) of `shape`, drawn in fp32 on the default device and cast to dtype."""
+    sampler = _NORMAL_SAMPLERS.get((shape, dtype))
+    if sampler is None:
+        sampler = jax.jit(lambda k, s: (s * jax.random.normal(k, shape, jnp.float32)).astype(dtype))
+        _NORMAL_SAMPLERS[(shape, dtype)] = sampler
+    return sampler(key, jnp.float32(scale))
 
 
 def _leaf_name(path: tuple[Any, ...]) -> str:

@@ -1,0 +1,99 @@
+"""The GPU bench scripts (bench/) import against the library as it is, and their host-side
+parts (sizes, request rows, packed batches, kernel inputs, the roofline's byte count) are
+right for the tiny config. Nothing is compiled here; `python bench/<script> --smoke` runs a
+script end to end on a CPU."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from inkling_jax.steps import check_batch, pack_batch
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+BENCH = ROOT / "bench"
+SCRIPTS = ("decode", "kernels", "profile_decode", "gpu_check", "moe_micro")
+HELPERS = ("common", "decode_setup", "decode_runs", "kernel_timing", "kernel_cases")
+
+
+@pytest.fixture(scope="module")
+def bench():
+    """The bench helper modules, imported from bench/ (taken off sys.path and sys.modules
+    again afterwards: bench/kernels.py must not shadow the `kernels` package for transformers
+    later in the session, so the scripts themselves are only imported in a subprocess)."""
+    import importlib
+
+    sys.path.insert(0, str(BENCH))
+    before = set(sys.modules)
+    try:
+        yield {name: importlib.import_module(name) for name in HELPERS}
+    finally:
+        sys.path.remove(str(BENCH))
+        for name in set(sys.modules) - before:
+            if name in HELPERS or name == "device_time":
+                del sys.modules[name]
+
+
+def test_scripts_import():
+    code = f"import sys; sys.path[:0] = [{str(BENCH)!r}, {str(ROOT)!r}]; " + "; ".join(f"import {s}" for s in SCRIPTS)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_decode_rows_pack_into_each_shape(bench):
+    S = bench["decode_setup"]
+    s = S.make_setup(S.parse_args(["--smoke"]))
+    ids, state = S.make_state(s)
+    assert state.slot_v2p.shape == (ids.num_slots + 1,) and state.page_v2p.shape == (ids.num_pages + 1,)
+    assert state.arena.shape[0] == ids.layout.arena_units(ids.num_slots, ids.num_pages)
+    for shape in (S.extend_long_shape(s), S.extend_batch_shape(s), S.decode_shape(s, max(s.batches), s.hf_context)):
+        n = min(shape.batch, max(s.batches))
+        per_row = shape.tokens // shape.batch
+        rows = [ids.row(r, 5 * r, np.arange(per_row) + 3, shape) for r in range(n)]
+        batch = pack_batch(shape, rows)
+        check_batch(batch, shape)
+        assert batch.virtual_slot[:n].tolist() == [r + 1 for r in range(n)]
+        assert batch.has_state[:n].tolist() == [r > 0 for r in range(n)]
+        # every row's page table covers the shape's pages, each row its own pages, none the sink
+        pages = batch.virtual_pages[:n]
+        assert pages.shape[1] == shape.pages and (pages > 0).all() and len(np.unique(pages)) == pages.size
+        assert pages.max() <= ids.num_pages
+
+
+def test_decode_roofline_bytes(bench):
+    import jax
+
+    import inkling_jax as ik
+
+    R = bench["decode_runs"]
+    cfg = ik.InklingConfig.tiny(num_mtp_layers=0, mtp_local_layer_ids=())
+    assert R.expected_experts(cfg, 1) == pytest.approx(cfg.num_experts_per_tok)
+    assert R.expected_experts(cfg, 10_000) == pytest.approx(cfg.n_routed_experts)
+    params = ik.init_params(cfg, jax.random.key(0), dtype=jnp.bfloat16)
+    one, two = R.decode_bytes(cfg, params, 1, 16), R.decode_bytes(cfg, params, 2, 16)
+    assert one["total"] == pytest.approx(sum(v for k, v in one.items() if k != "total"))
+    assert two["kv"] == 2 * one["kv"] and two["conv"] == 2 * one["conv"] and two["experts"] > one["experts"]
+
+
+def test_kernel_rows_are_packed_as_the_steps_pack_them(bench):
+    K = bench["kernel_cases"]
+    rng = np.random.RandomState(0)
+    for q, mixed in ((1, True), (4, True), (4, False)):
+        kr, t = K.make_rows(rng, 6, q, 3, padded=True, track=True, mixed=mixed)
+        rows = kr.rows
+        token_row, token_offset = np.asarray(rows.token_row), np.asarray(rows.token_offset)
+        row_tokens, active = np.asarray(rows.row_tokens), np.asarray(kr.active)
+        assert t == len(token_row) == 6 * q
+        for b in np.flatnonzero(active):  # a real row's tokens: row_tokens points at them in order
+            n = int(np.sum((token_row == b) & (token_offset < q)))
+            assert (token_row[row_tokens[b, :n]] == b).all() and (token_offset[row_tokens[b, :n]] == np.arange(n)).all()
+        used = np.concatenate([active[active > 0], np.asarray(kr.track_dest)[np.asarray(kr.track_dest) > 0]])
+        assert len(np.unique(used)) == len(used)  # active and checkpoint slots pairwise distinct
+        assert (np.asarray(rows.commit_len) <= q).all() and (np.asarray(rows.track_len) <= q).all()
