@@ -1,0 +1,333 @@
+"""The engine as a user sees it: `Engine.generate` (host loop included), timed end to end and
+per phase, on a GPU. One run, sections chosen with --sections:
+
+    python bench/serve.py [--sections prefix,decode,spec,fidelity,mesh] [--out FILE]
+    python bench/serve.py --smoke      # tiny sizes on CPU: checks the script, measures nothing
+
+* prefix: the shared-system-prompt workload of issue 14 on the bench model (bf16, random
+  weights): 32 requests of `--prompt-len` tokens sharing the first `--shared` ones, 128 new
+  tokens each. The first request runs alone, then the other 31 together; the same with the
+  prefix cache off. Cache-hit tokens (against the shared tokens that lie on checkpoint
+  boundaries), time to first token (hit vs miss), end-to-end tokens/s.
+* decode: batch 1, 8, 32 of `--prompt-len`-token prompts and 128 new tokens (cache off):
+  prefill tokens/s and decode ms/step measured in the engine loop (submit -> every first
+  token; then -> the last token, over the decode steps), against the HBM roofline of a decode
+  step at that context (bytes that must move / measured copy bandwidth; bench/decode_runs.py).
+* spec: the shipped trained model (`inkling_jax/models/shakespeare`): mean accept length
+  (bonus included) and acceptance per depth for spec_steps 1..3, tokens/s with and without
+  speculation at batch 1 and 8, on Shakespeare-like prompts (greedy).
+* fidelity: the trained model's bf16 greedy tokens (ours, batch 1 and 8; HF transformers'
+  bf16 at batch 1 and 8) scored teacher-forced against HF's fp32 forward: the fraction of
+  tokens that are the fp32 model's argmax, and the median |log p difference|.
+* mesh: the bench model's decode ms/step through an engine on a one-device mesh against one
+  without a mesh (issue 18: no slower).
+
+Compile seconds are reported apart (the engine's own compile counter and seconds); a
+persistent compilation cache (--cache-dir, default .jax_cache) makes repeated runs start fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, _REPO)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from common import Report, copy_bandwidth, device_params, log, table  # noqa: E402
+from decode_runs import decode_bytes  # noqa: E402
+
+import inkling_jax as ik  # noqa: E402
+
+SECTIONS = ("prefix", "decode", "spec", "fidelity", "mesh")
+PROSE = ["To be, or not to be, that is the question:", "ROMEO. But soft, what light through yonder window",
+         "Now is the winter of our discontent", "HAMLET. O, that this too too solid flesh would melt,",
+         "All the world's a stage, and all the men and women", "KING LEAR. Blow, winds, and crack your cheeks!",
+         "Friends, Romans, countrymen, lend me your ears;", "If music be the food of love, play on,"]
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--sections", default=",".join(SECTIONS))
+    p.add_argument("--out", default="")
+    p.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU (checks the script)")
+    p.add_argument("--prompt-len", type=int, default=1000)
+    p.add_argument("--shared", type=int, default=960)
+    p.add_argument("--new", type=int, default=128)
+    p.add_argument("--requests", type=int, default=32)
+    p.add_argument("--cache-dir", default=os.path.join(_REPO, ".jax_cache"))
+    p.add_argument("--model", default="", help="trained model directory (default: the shipped one)")
+    return p.parse_args(argv)
+
+
+# ------------------------------------------------------------------------------- running
+
+
+class Timeline:
+    """Per-request wall times, read off the engine's records after the run."""
+
+    def __init__(self, requests, t0: float, t_end: float):
+        self.ttft = [r.first_token_at - r.submitted for r in requests]
+        self.wall = t_end - t0
+        self.tokens = sum(len(r.out_tokens) for r in requests)
+        self.cached = [r.cached for r in requests]
+        self.outputs = [list(r.out_tokens) for r in requests]
+
+
+def run(engine: ik.Engine, prompts: list[list[int]], sp: ik.SamplingParams) -> Timeline:
+    """generate() with the timeline kept (submit + step until done is what generate does)."""
+    t0 = time.perf_counter()
+    reqs = engine.submit(prompts, sp)
+    while any(r.finish_reason is None for r in reqs):
+        engine.step()
+    return Timeline(reqs, t0, time.perf_counter())
+
+
+def phases(engine: ik.Engine, prompts: list[list[int]], sp: ik.SamplingParams) -> dict:
+    """Prefill (submit -> every request has its first token) and decode (-> the end) times,
+    with the steps of each, in the engine loop."""
+    steps0 = engine.stats()["steps"]
+    t0 = time.perf_counter()
+    reqs = engine.submit(prompts, sp)
+    while not all(r.out_tokens for r in reqs):
+        engine.step()
+    t1, steps1 = time.perf_counter(), engine.stats()["steps"]
+    while any(r.finish_reason is None for r in reqs):
+        engine.step()
+    t2, steps2 = time.perf_counter(), engine.stats()["steps"]
+    return dict(prefill_s=t1 - t0, prefill_steps=steps1 - steps0, decode_s=t2 - t1, decode_steps=steps2 - steps1,
+                tokens=sum(len(r.out_tokens) for r in reqs), reqs=reqs)
+
+
+def warm(engine: ik.Engine, prompts: list[list[int]], sp: ik.SamplingParams) -> float:
+    """One untimed run over the same shapes (compiles); its seconds."""
+    t0 = time.perf_counter()
+    engine.generate(prompts, sp)
+    engine.evict_all()
+    return time.perf_counter() - t0
+
+
+# ------------------------------------------------------------------------------ sections
+
+
+def bench_config(args, running: int, prefix: bool) -> ik.EngineConfig:
+    """One bucket per dimension for the bench model: few compiles."""
+    page = 16 if args.smoke else 64
+    interval = 4 * page
+    ctx = 1 << (args.prompt_len + args.new + 8).bit_length()
+    chunk = 1024 if not args.smoke else 64
+    step_tokens = max(chunk, min(4096, running * chunk)) if not args.smoke else 128
+    return ik.EngineConfig(
+        max_running=running, num_slots=3 * running + 64, num_pages=(running + 8) * (ctx // page), page_size=page,
+        track_interval=interval, chunk_size=chunk, max_step_tokens=step_tokens, max_context=ctx,
+        min_context_bucket=ctx, min_token_bucket=step_tokens, min_batch_bucket=running, prefix_cache=prefix)
+
+
+def section_prefix(args, cfg, params, report: Report) -> None:
+    rng = np.random.RandomState(0)
+    v = cfg.unpadded_vocab_size
+    shared = list(rng.randint(3, v, args.shared))
+    prompts = [shared + list(rng.randint(3, v, args.prompt_len - args.shared)) for _ in range(args.requests)]
+    sp = ik.SamplingParams(max_new_tokens=args.new, stop_at_eos=False)
+    rows, outs = [], []
+    for prefix in (False, True):
+        engine = ik.Engine(cfg, params, bench_config(args, args.requests, prefix))
+        w = warm(engine, [list(rng.randint(3, v, args.prompt_len))], sp)
+        first = run(engine, prompts[:1], sp)
+        rest = run(engine, prompts[1:], sp)
+        outs.append(first.outputs + rest.outputs)
+        st = engine.stats()
+        on_boundary = args.shared // engine.config.track_interval * engine.config.track_interval
+        hit_frac = statistics.mean(c / on_boundary for c in rest.cached) if on_boundary else 0.0
+        rows.append([f"cache {'on' if prefix else 'off'}", f"{first.ttft[0] * 1e3:.0f}",
+                     f"{statistics.mean(rest.ttft) * 1e3:.0f}", f"{statistics.median(rest.ttft) * 1e3:.0f}",
+                     f"{(first.tokens + rest.tokens) / (first.wall + rest.wall):.0f}",
+                     f"{sum(rest.cached)} ({100 * hit_frac:.0f} % of {on_boundary} per request)",
+                     f"{st['compiles']} / {st['compile_seconds']:.1f} s (warm-up run {w:.1f} s)"])
+        log(f"prefix cache {'on' if prefix else 'off'}: {rows[-1]}")
+    same = np.mean([a == b for x, y in zip(*outs) for a, b in zip(x, y)])
+    report.add(f"### Prefix cache on a shared system prompt ({args.requests} requests x {args.prompt_len} tokens, "
+               f"{args.shared} shared, {args.new} new; request 1 alone, then the others together)\n\n" + table(
+                   ["run", "TTFT req 1 (ms)", "TTFT others mean (ms)", "median", "tokens/s end to end",
+                    "cache-hit tokens (others)", "compiles"], rows)
+               + f"\n\nGreedy tokens equal with the cache on and off: {100 * same:.1f} % (bf16, random weights:"
+               f" a hit computes the prefix's state in other chunks than a miss, so near-ties may flip)", "prefix")
+
+
+def section_decode(args, cfg, params, report: Report, bandwidth: float) -> dict:
+    rng = np.random.RandomState(1)
+    v = cfg.unpadded_vocab_size
+    sp = ik.SamplingParams(max_new_tokens=args.new, stop_at_eos=False)
+    rows, per_batch = [], {}
+    for b in ((1, 2) if args.smoke else (1, 8, 32)):
+        engine = ik.Engine(cfg, params, bench_config(args, b, prefix=False))
+        prompts = [list(rng.randint(3, v, args.prompt_len)) for _ in range(b)]
+        warm(engine, prompts, ik.SamplingParams(max_new_tokens=4, stop_at_eos=False))
+        ph = phases(engine, prompts, sp)
+        ms = 1e3 * ph["decode_s"] / max(ph["decode_steps"], 1)
+        ctx = args.prompt_len + args.new // 2
+        roof_ms = 1e3 * decode_bytes(cfg, params, b, ctx)["total"] / bandwidth
+        per_batch[b] = ms
+        rows.append([b, f"{b * args.prompt_len / ph['prefill_s']:.0f}", ph["prefill_steps"], f"{ms:.2f}",
+                     f"{b * 1e3 / ms:.0f}", f"{roof_ms:.3f}", f"{100 * roof_ms / ms:.0f} %",
+                     engine.stats()["compiles"]])
+        log(f"decode B={b}: {rows[-1]}")
+    report.add(f"### Engine loop: prefill and decode ({args.prompt_len}-token prompts, {args.new} new, bf16)\n\n"
+               + table(["B", "prefill tok/s", "prefill steps", "decode ms/step", "decode tok/s", "roofline ms",
+                        "% of roofline", "compiles"], rows), "decode")
+    return per_batch
+
+
+def trained_model(args):
+    from inkling_jax.models import model_dir
+
+    path = args.model or model_dir("shakespeare")
+    return path, *ik.load_pretrained(path, dtype=jnp.bfloat16)
+
+
+def tiny_config(running: int, spec: int, prefix: bool = False) -> ik.EngineConfig:
+    return ik.EngineConfig(max_running=running, num_slots=3 * running + 16, num_pages=running * 32 + 64,
+                           page_size=16, track_interval=64, chunk_size=64, max_step_tokens=max(64, running * 8),
+                           max_context=512, min_context_bucket=512, min_batch_bucket=running, spec_steps=spec,
+                           prefix_cache=prefix)
+
+
+def section_spec(args, report: Report) -> None:
+    path, cfg, params = trained_model(args)
+    from inkling_jax.tokenizer import ByteTokenizer
+
+    tok = ByteTokenizer(cfg)
+    new = 32 if args.smoke else 200
+    sp = ik.SamplingParams(max_new_tokens=new, stop_at_eos=False)
+    rows = []
+    for b in (1, 8):
+        prompts = [tok.encode(PROSE[i % len(PROSE)]) for i in range(b)]
+        base = None
+        for spec in range(0, min(3, cfg.num_mtp_layers) + 1):
+            engine = ik.Engine(cfg, params, tiny_config(b, spec))
+            warm(engine, prompts, ik.SamplingParams(max_new_tokens=8, stop_at_eos=False))
+            t = run(engine, prompts, sp)
+            st = engine.stats()
+            tps = t.tokens / t.wall
+            base = base or tps
+            rows.append([b, spec, f"{st['mean_accept_length']:.2f}" if spec else "-",
+                         " / ".join(f"{a:.2f}" for a in st["depth_acceptance"]) or "-",
+                         f"{tps:.0f}", f"{tps / base:.2f}x"])
+            log(f"spec B={b} S={spec}: {rows[-1]}")
+    report.add(f"### Speculative decoding with the trained model ({os.path.basename(path)}, bf16, greedy, "
+               f"{new} new tokens)\n\n" + table(["B", "spec_steps", "mean accept length", "acceptance per depth",
+                                                  "tokens/s", "vs no speculation"], rows), "spec")
+
+
+def section_fidelity(args, report: Report) -> None:
+    import torch
+    from decode_hf import hf_generate, oracle_scores
+
+    from inkling_jax.hf_transformers import causal_lm
+    from inkling_jax.tokenizer import ByteTokenizer
+
+    path, cfg, params = trained_model(args)
+    tok = ByteTokenizer(cfg)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    new = 16 if args.smoke else 64
+    n_prompts = 8 if args.smoke else 32
+    texts = [PROSE[i % len(PROSE)] + " " * (i // len(PROSE)) for i in range(n_prompts)]
+    length = min(len(tok.encode(t)) for t in texts)
+    prompts = np.asarray([tok.encode(t)[:length] for t in texts], np.int64)
+    params32 = ik.cast_params(params, jnp.float32)
+    oracle = causal_lm(cfg, params32, torch.float32, device)
+    hf_bf16 = causal_lm(cfg, params, torch.bfloat16, device)
+    for m in (oracle, hf_bf16):
+        m.generation_config.eos_token_id, m.generation_config.pad_token_id = None, 0
+    sp = ik.SamplingParams(max_new_tokens=new, stop_at_eos=False)
+    rows = []
+    for b in (1, 8):
+        engine = ik.Engine(cfg, params, tiny_config(b, 0))
+        done = engine.generate([list(map(int, p)) for p in prompts], sp)
+        ours, ours_lp = np.asarray([c.tokens for c in done]), np.asarray([c.logprobs for c in done])
+        hf = [hf_generate(hf_bf16, prompts[i:i + b], new, device, logits=True) for i in range(0, n_prompts, b)]
+        hf_toks, hf_lp = np.concatenate([h[0] for h in hf]), np.concatenate([h[2] for h in hf])
+        for who, toks, own_lp in (("inkling-jax bf16", ours, ours_lp), ("HF transformers bf16", hf_toks, hf_lp)):
+            o = oracle_scores(oracle, prompts, toks, device)
+            agree = float(np.mean(toks == o["argmax"]))
+            dlp = float(np.median(np.abs(own_lp - o["lp"])))
+            rows.append([who, b, f"{100 * agree:.1f} %", f"{dlp:.4f}"])
+            log(f"fidelity {who} B={b}: {rows[-1]}")
+    report.add(f"### bf16 fidelity of the trained model against HF fp32 ({n_prompts} prompts, {new} greedy tokens,"
+               f" teacher-forced)\n\n" + table(["who", "B", "tokens = fp32 argmax",
+                                                  "median |log p - fp32 log p| (nats)"], rows), "fidelity")
+
+
+def section_mesh(args, cfg, params, report: Report, no_mesh: dict) -> None:
+    import inspect
+
+    if "mesh" not in inspect.signature(ik.Engine).parameters:
+        report.add("### Mesh of one device\n\nskipped: this checkout's Engine takes no mesh", "mesh")
+        return
+    rng = np.random.RandomState(2)
+    v = cfg.unpadded_vocab_size
+    sp = ik.SamplingParams(max_new_tokens=args.new, stop_at_eos=False)
+    rows = []
+    for b in ((1,) if args.smoke else (1, 8)):
+        prompts = [list(rng.randint(3, v, args.prompt_len)) for _ in range(b)]
+        engine = ik.Engine(cfg, params, bench_config(args, b, prefix=False), mesh=ik.make_mesh(tp=1, ep=1))
+        warm(engine, prompts, ik.SamplingParams(max_new_tokens=4, stop_at_eos=False))
+        ph = phases(engine, prompts, sp)
+        ms = 1e3 * ph["decode_s"] / max(ph["decode_steps"], 1)
+        ref = no_mesh.get(b)
+        rows.append([b, f"{ms:.2f}", f"{ref:.2f}" if ref else "-", f"{ms / ref:.3f}" if ref else "-"])
+        log(f"mesh B={b}: {rows[-1]}")
+    report.add("### One-device mesh against no mesh (decode ms/step in the engine loop)\n\n"
+               + table(["B", "mesh (1, 1)", "no mesh", "ratio"], rows), "mesh")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    sections = [s for s in args.sections.split(",") if s]
+    bad = set(sections) - set(SECTIONS)
+    if bad:
+        raise SystemExit(f"unknown sections {sorted(bad)}; choose from {SECTIONS}")
+    if args.smoke:
+        jax.config.update("jax_platforms", "cpu")
+        args.prompt_len, args.shared, args.new, args.requests = 96, 80, 8, 4
+    elif args.cache_dir:
+        jax.config.update("jax_compilation_cache_dir", args.cache_dir)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    report = Report(args.out)
+    dev = jax.devices()[0]
+    report.add(f"## bench/serve.py: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
+               f"{getattr(dev, 'device_kind', dev.platform)}, jax {jax.__version__}", "head")
+    need_bench = {"prefix", "decode", "mesh"} & set(sections)
+    cfg = params = None
+    if need_bench:
+        cfg = ik.InklingConfig.tiny(num_mtp_layers=0, mtp_local_layer_ids=()) if args.smoke else \
+            ik.InklingConfig.bench(num_mtp_layers=0, mtp_local_layer_ids=())
+        t0 = time.perf_counter()
+        params = device_params(cfg, 0, jnp.float32 if args.smoke else jnp.bfloat16)
+        jax.block_until_ready(params)
+        log(f"params: {ik.model.layers.param_count(params) / 1e9:.2f} B in {time.perf_counter() - t0:.1f} s")
+    decode_ms = {}
+    if "prefix" in sections:
+        section_prefix(args, cfg, params, report)
+    if "decode" in sections or "mesh" in sections:
+        bandwidth = copy_bandwidth(1 << 20 if args.smoke else 1 << 30, jnp.bfloat16)
+        log(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s")
+        decode_ms = section_decode(args, cfg, params, report, bandwidth)
+    if "spec" in sections:
+        section_spec(args, report)
+    if "fidelity" in sections:
+        section_fidelity(args, report)
+    if "mesh" in sections:
+        section_mesh(args, cfg, params, report, decode_ms)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
