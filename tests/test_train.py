@@ -415,3 +415,16 @@ def test_cli_errors_are_one_line_and_exit_2(tmp_path, capsys):
     assert train_cli.main(["--steps", "0", "--corpus-cache", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("inkling-train: error:") and "steps" in err[0]
+
+
+def test_model_dir_finds_shipped_models_only():
+    from inkling_jax.models import model_dir
+
+    with pytest.raises(ValueError, match="no shipped model"):
+        model_dir("hamlet")
+    try:
+        path = model_dir("shakespeare")
+    except FileNotFoundError as e:  # a checkout where the model is not trained yet
+        assert "inkling-train --export" in str(e)
+    else:
+        assert ik.InklingConfig.from_hf(path) == ik.InklingConfig.shakespeare()
