@@ -217,6 +217,33 @@ class InklingConfig:
         return cls(**base)
 
     @classmethod
+    def shakespeare(cls, **overrides: Any) -> "InklingConfig":
+        """The shipped byte-level model (`inkling_jax/models/shakespeare`, trained by `inkling-train`):
+        every Inkling feature at about 7.6 M parameters (14.5 MiB in bf16).
+
+        8 layers of width 256, 3 sliding : 1 full (full layers 3 and 7, with log scaling past
+        position 128 and a 512-token relative bias; sliding window 128), GQA 4 heads / 2 kv of
+        width 64, 2 dense layers (SwiGLU 512) then 6 MoE layers (8 experts of width 64, top-2,
+        one shared sink expert), 3 MTP depths, depth 1 banded. Byte vocabulary (256 real ids
+        padded to 264); eos is byte 2, which never occurs in the corpus. route_scale 2 rather
+        than Inkling's 8: the routed and sink weights sum to route_scale, and a tiny model trained
+        from scratch has no reason to start its MoE branch 8x louder than its dense one."""
+        base = dict(
+            vocab_size=264, unpadded_vocab_size=256, hidden_size=256, num_layers=8,
+            num_heads=4, num_kv_heads=2, head_dim=64,
+            swa_num_heads=4, swa_num_kv_heads=2, swa_head_dim=64,
+            local_layer_ids=(0, 1, 2, 4, 5, 6), sliding_window=128, d_rel=16, rel_extent=512,
+            log_scaling_n_floor=128, log_scaling_alpha=0.1,
+            dense_layer_ids=(0, 1), dense_intermediate_size=512, expert_intermediate_size=64,
+            n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, route_scale=2.0,
+            logits_mup_width_multiplier=2.0,
+            num_mtp_layers=3, mtp_local_layer_ids=(1,),
+            bos_token_id=1, eos_token_id=2,
+        )
+        base.update(overrides)
+        return cls(**base)
+
+    @classmethod
     def bench(cls, **overrides: Any) -> "InklingConfig":
         """GPU benchmark model: Inkling's proportions (5 local : 1 full, GQA 8/4, 2 dense layers,
         sigmoid MoE with 2 sink experts, 128-wide heads, 512 window) at about 2.4 B parameters
