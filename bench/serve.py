@@ -64,6 +64,7 @@ def parse_args(argv=None):
     p.add_argument("--requests", type=int, default=32)
     p.add_argument("--cache-dir", default=os.path.join(_REPO, ".jax_cache"))
     p.add_argument("--model", default="", help="trained model directory (default: the shipped one)")
+    p.add_argument("--decode-batches", default="1,8,32", help="batch sizes of the decode section")
     return p.parse_args(argv)
 
 
@@ -166,7 +167,7 @@ def section_decode(args, cfg, params, report: Report, bandwidth: float) -> dict:
     v = cfg.unpadded_vocab_size
     sp = ik.SamplingParams(max_new_tokens=args.new, stop_at_eos=False)
     rows, per_batch = [], {}
-    for b in ((1, 2) if args.smoke else (1, 8, 32)):
+    for b in ((1, 2) if args.smoke else [int(x) for x in args.decode_batches.split(",")]):
         engine = ik.Engine(cfg, params, bench_config(args, b, prefix=False))
         prompts = [list(rng.randint(3, v, args.prompt_len)) for _ in range(b)]
         warm(engine, prompts, ik.SamplingParams(max_new_tokens=4, stop_at_eos=False))
