@@ -1,12 +1,14 @@
 """inkling-generate: continuous-batching generation with the serving engine, and its statistics.
 
-    inkling-generate [--model tiny|small|bench|PATH] [--prompt TEXT ... | --prompts-file F]
+    inkling-generate [--model shakespeare|tiny|small|bench|PATH] [--prompt TEXT ... | --prompts-file F]
                      [--max-new-tokens N] [--temperature T] [--spec-steps K] [--no-prefix-cache]
                      [--lazy] [--pool unified|static] [--max-running N] [--seed S] [--dtype D]
 
-With no arguments it runs the embedded default model (the `tiny` preset with deterministic
-random weights, jax.random.key(0)) on built-in prompts, several of which share a prefix so
-the prefix cache has something to serve. Prints the completions, then a stats table.
+With no arguments it runs the embedded default model, the trained byte-level `shakespeare`
+model shipped in `inkling_jax/models/` (its card: `inkling_jax/models/shakespeare/README.md`),
+on built-in prompts, several of which share a prefix so the prefix cache has something to
+serve. The presets (tiny, small, bench) have deterministic random weights (jax.random.key(0)).
+Prints the completions, then a stats table (with the accept lengths under --spec-steps).
 
 The engine geometry is sized from the prompts so that one run compiles few step shapes: one
 batch bucket (max_running rows), one token bucket (max_step_tokens) and one context bucket
@@ -29,17 +31,18 @@ from .config import InklingConfig
 from .tokenizer import ByteTokenizer, tokenizer_for
 
 PRESETS = ("tiny", "small", "bench")
+DEFAULT_MODEL = "shakespeare"  # shipped trained weights (inkling_jax/models)
 
-# A shared "system prompt" prefix: longer than a few checkpoint intervals, so later requests
-# that start with it are served from the prefix cache.
-_SYSTEM = "You are Inkling, a hybrid model: every layer has attention and short convolutions. "
+# A shared opening: longer than a few checkpoint intervals, so later requests that start with
+# it are served from the prefix cache.
+_SCENE = "ACT I. SCENE I. A room in the castle.\n\n"
 DEFAULT_PROMPTS = [
-    _SYSTEM + "What does a short causal convolution remember?",
-    "The sliding window sees the last few tokens; the full layers see them all.",
-    _SYSTEM + "Explain prefix caching in one sentence.",
-    "Once upon a time",
-    _SYSTEM + "Why keep conv-state checkpoints?",
-    _SYSTEM + "What does a short causal convolution remember?",  # an exact repeat
+    _SCENE + "HAMLET. To be, or not to be",
+    "ROMEO. But soft, what light through yonder window breaks?",
+    _SCENE + "KING. Now, my good lord,",
+    "Friends, Romans, countrymen,",
+    _SCENE + "QUEEN. Good Hamlet,",
+    _SCENE + "HAMLET. To be, or not to be",  # an exact repeat
 ]
 
 
@@ -55,7 +58,8 @@ def default_dtype() -> str:
 
 
 def load_model(spec: str, dtype=jnp.float32):
-    """(cfg, params) for a preset name (random weights from jax.random.key(0)) or a model directory."""
+    """(cfg, params) for a preset name (random weights from jax.random.key(0)), a shipped
+    model's name or a model directory."""
     if spec in PRESETS:
         from .model import init_params
 
@@ -63,11 +67,17 @@ def load_model(spec: str, dtype=jnp.float32):
         return cfg, init_params(cfg, jax.random.key(0), dtype=dtype)
     import os
 
+    from .models import SHIPPED, model_dir
     from .weights import load_pretrained
 
+    if spec in SHIPPED:
+        try:
+            spec = model_dir(spec)
+        except FileNotFoundError as e:
+            raise CliError(str(e)) from None
     if not os.path.isfile(os.path.join(spec, "config.json")):
-        raise CliError(f"--model {spec!r} is neither a preset ({', '.join(PRESETS)}) nor a model directory "
-                       "with a config.json")
+        raise CliError(f"--model {spec!r} is neither a preset ({', '.join(PRESETS)}), a shipped model "
+                       f"({', '.join(SHIPPED)}) nor a model directory with a config.json")
     return load_pretrained(spec, dtype=dtype)
 
 
@@ -192,10 +202,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="inkling-generate",
         description="Generate with the Inkling serving engine (continuous batching, prefix cache) and "
-                    "print the completions and a stats table. With no arguments: the embedded default "
-                    "model (tiny preset, random weights) on built-in prompts.")
-    ap.add_argument("--model", default="tiny", help="preset (tiny, small, bench: random weights) or a model "
-                    "directory (config.json + safetensors, tokenizer.json if present). Default: tiny")
+                    "print the completions and a stats table. With no arguments: the shipped trained "
+                    "model (shakespeare, byte-level) on built-in prompts.")
+    ap.add_argument("--model", default=DEFAULT_MODEL, help="a shipped model (shakespeare: trained), a preset "
+                    "(tiny, small, bench: random weights) or a model directory (config.json + safetensors, "
+                    f"tokenizer.json if present). Default: {DEFAULT_MODEL}")
     src = ap.add_mutually_exclusive_group()
     src.add_argument("--prompt", nargs="+", action="extend", metavar="TEXT",
                      help="prompt text (repeatable; several after one flag)")

@@ -14,7 +14,7 @@ from inkling_jax import cli
 SHARED = "The short convolution keeps a window of the last few inputs; "
 PROMPTS = [SHARED + "what else?", "Attention with a sliding window", SHARED + "what else?"]
 # max_running 1: requests run one after another, so the repeat is served from the prefix cache
-FLAGS = ["--max-new-tokens", "6", "--max-running", "1", "--ignore-eos", "--no-progress"]
+FLAGS = ["--model", "tiny", "--max-new-tokens", "6", "--max-running", "1", "--ignore-eos", "--no-progress"]
 
 
 def stats_table(out: str) -> dict[str, str]:
@@ -71,6 +71,20 @@ def test_generate_prints_completions_and_stats(capsys, tmp_path):
     assert len(completions(out2)) == 3
     s2 = stats_table(out2)
     assert number(s2["cache-hit tokens"]) == hits
+
+
+def test_default_model_writes_english_like_text(capsys):
+    """`make run`: the shipped trained model on the built-in prompts; with --spec-steps 2 its
+    MTP heads accept drafts (mean accept length >= 1.8, bonus included)."""
+    out = run_cli(capsys, ["--max-new-tokens", "48", "--spec-steps", "2", "--no-progress"])
+    assert "model shakespeare" in out
+    text = "".join(eval(t) for t in completions(out))  # the printed reprs
+    letters = sum(c.isalpha() or c in " \n.,;:!?'-" for c in text)
+    words = [w for w in text.split() if w.isalpha()]
+    assert letters / len(text) > 0.95 and len(words) > 20
+    assert sum(w.lower() in ("the", "and", "of", "to", "my", "i", "a", "you", "is", "in") for w in words) >= 5
+    accept = float(re.match(r"([\d.]+) tokens per verify", stats_table(out)["accept length"]).group(1))
+    assert accept >= 1.8
 
 
 @pytest.mark.parametrize("argv, message", [
