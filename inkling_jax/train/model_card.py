@@ -10,21 +10,28 @@ from typing import Any
 from ..config import InklingConfig
 
 
-def retrain_command(argv: list[str], planned_steps: int) -> str:
-    """The run's command with the step count it planned and no time budget: the same
-    schedule on any machine, however fast."""
+def retrain_command(argv: list[str], planned_steps: int, end_step: int | None = None,
+                    export: str | None = None) -> str:
+    """The run's command with the step count it planned (and, when it stopped earlier, the
+    step it stopped at) and no time budget: the same schedule and the same end on any
+    machine, however fast. export: where the retrained model goes (default: as the run)."""
     out, skip = [], False
-    for i, a in enumerate(argv):
+    for a in argv:
         if skip:
             skip = False
             continue
-        if a in ("--time-budget", "--steps", "--resume"):
+        if a in ("--time-budget", "--steps", "--stop-at", "--resume") or (export and a == "--export"):
             skip = a != "--resume"
             continue
-        if a.startswith(("--time-budget=", "--steps=")):
+        if a.startswith(("--time-budget=", "--steps=", "--stop-at=")) or (export and a.startswith("--export=")):
             continue
         out.append(a)
-    return shlex.join(["inkling-train", *out, "--steps", str(planned_steps)])
+    out += ["--steps", str(planned_steps)]
+    if end_step is not None and end_step < planned_steps:
+        out += ["--stop-at", str(end_step)]
+    if export:
+        out += ["--export", export]
+    return shlex.join(["inkling-train", *out])
 
 
 def _fmt_losses(values: list[float]) -> str:
@@ -58,7 +65,8 @@ def model_card(records: list[dict[str, Any]], name: str = "shakespeare", figure:
     full = cfg.full_layer_ids
     argv = first.get("argv")
     command = shlex.join(["inkling-train", *argv]) if argv is not None else None
-    retrain = retrain_command(argv, end["planned_steps"]) if argv is not None else None
+    retrain = retrain_command(argv, end["planned_steps"], end["step"], f"inkling_jax/models/{name}") \
+        if argv is not None else None
     lines = [
         f"# Inkling `{name}` (byte-level, {first['param_count'] / 1e6:.2f} M parameters)",
         "",
@@ -139,8 +147,8 @@ def model_card(records: list[dict[str, Any]], name: str = "shakespeare", figure:
     if command:
         lines += ["The command that made this model:", "", "```", command, "```", ""]
     if retrain and any(a.startswith("--time-budget") for a in argv):
-        lines += ["The same schedule without the time budget (the step count it settled on):", "",
-                  "```", retrain, "```", ""]
+        lines += ["The same schedule and the same end without the time budget (the step count it settled on, "
+                  "and the step the budget stopped it at), into the package:", "", "```", retrain, "```", ""]
     if last_start is not first:
         lines += [f"(The run was resumed {len(starts) - 1} time(s) from its checkpoints.)", ""]
     return "\n".join(lines).rstrip() + "\n"
