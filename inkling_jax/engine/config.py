@@ -34,6 +34,7 @@ class EngineConfig:
     min_batch_bucket: int = 1  # smallest row count of a step (fewer buckets, more padding)
     warmup: bool = False  # compile every bucket at construction
     max_stop_ids: int = DEFAULT_MAX_STOP_IDS  # stop tokens a request may have (its eos included)
+    compile_cache_dir: str | None = "auto"  # persistent XLA cache: "auto" (GPU: ~/.cache/inkling-jax/xla), a path, None
 
     def __post_init__(self):
         self.validate()
@@ -58,6 +59,8 @@ class EngineConfig:
         need(self.ping_pong in ("eager", "lazy"), f"ping_pong must be 'eager' or 'lazy', got {self.ping_pong!r}")
         need(isinstance(self.use_pallas, bool) or self.use_pallas == "auto",
              f"use_pallas must be True, False or 'auto', got {self.use_pallas!r}")
+        need(self.compile_cache_dir is None or isinstance(self.compile_cache_dir, str),
+             f"compile_cache_dir must be 'auto', a directory or None, got {self.compile_cache_dir!r}")
         need(self.track_interval % self.page_size == 0, "track_interval must be a multiple of page_size")
         need(self.chunk_size <= self.max_step_tokens, "need chunk_size <= max_step_tokens")
         need(self.max_step_tokens >= self.max_running, "max_step_tokens must be >= max_running")

@@ -354,9 +354,10 @@ class Engine:
     # ---------------------------------------------------------------- the rest
 
     def warmup(self) -> None:
-        """Compile every bucket the scheduler can pick."""
+        """Compile everything serving can use: every step bucket (decode or verify, and
+        extend) and the compaction copy for every move count; afterwards nothing compiles."""
         with self._lock:
-            self.runner.warmup()
+            self.runner.warmup(max_move_units=self.pool.num_units)
 
     def stats(self) -> dict[str, Any]:
         with self._lock:

@@ -63,6 +63,32 @@ def available_memory() -> int | None:
         return None
 
 
+def enable_compile_cache(setting: str | None) -> str | None:
+    """Turn on JAX's persistent compilation cache (process-wide: the config is JAX's) unless
+    the caller configured one already (JAX_COMPILATION_CACHE_DIR or jax.config) or
+    `setting` is None. "auto": on a GPU, under $XDG_CACHE_HOME (~/.cache)/inkling-jax/xla;
+    elsewhere off (CPU compiles of small models are fast). Returns the directory in use."""
+    current = jax.config.jax_compilation_cache_dir
+    if current or setting is None:
+        return current
+    if setting == "auto":
+        if jax.default_backend() != "gpu":
+            return None
+        setting = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "inkling-jax",
+                               "xla")
+    path = os.path.expanduser(setting)
+    os.makedirs(path, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+    try:  # JAX decides at the first compile whether a cache is used: ask it again
+        from jax._src import compilation_cache
+
+        compilation_cache.reset_cache()
+    except (ImportError, AttributeError):
+        pass
+    return path
+
+
 def check_arena_fits(num_units: int, layout: ArenaLayout, dtype: Any) -> None:
     """ValueError naming the sizes when an arena of num_units units cannot be allocated."""
     arena_bytes = num_units * layout.unit_elems * np.dtype(dtype).itemsize
@@ -88,6 +114,7 @@ class StepRunner:
                  max_context: int, extend_checkpoints: int = 1):
         self.cfg, self.params, self.config, self.layout = cfg, params, config, layout
         self.use_pallas = resolve_use_pallas(config)
+        self.compile_cache_dir = enable_compile_cache(config.compile_cache_dir)
         self.ops = conv_ops(self.use_pallas, config.pallas_interpret)
         self.dtype = params["unembed"].dtype
         self.state: ServingState = init_state(layout, pool.num_units, len(pool.slots.v2p) - 1,
@@ -149,10 +176,17 @@ class StepRunner:
             self.compiled[shape] = fn
         return fn
 
-    def warmup(self) -> None:
-        """Compile every bucket the scheduler can pick."""
+    def warmup(self, max_move_units: int) -> None:
+        """Compile every bucket the scheduler can pick, and the compaction copy for every
+        padded move count up to max_move_units: nothing compiles while serving."""
         for shape in self.all_shapes():
             self.compiled_step(shape)
+        n = 1
+        while True:
+            self._move_fn(n)
+            if n >= max_move_units:
+                break
+            n *= 2
 
     # ---------------------------------------------------------------- running
 
@@ -175,7 +209,7 @@ class StepRunner:
         with critical():
             if len(src):
                 arena = self.move_units(arena, src, dst)
-            self.state = ServingState(arena, jnp.asarray(slot_table), jnp.asarray(page_table))
+            self.state = ServingState(arena, jax.device_put(slot_table), jax.device_put(page_table))
             self.tables_on_device = (slot_table, page_table)
             pool.ack_moves()
             pool.tables_dirty = False
@@ -186,11 +220,18 @@ class StepRunner:
         pad = n - len(src)
         src = np.concatenate([src, np.zeros(pad, np.int32)])  # sink -> sink: inert
         dst = np.concatenate([dst, np.zeros(pad, np.int32)])
+        return self._move_fn(n)(arena, src, dst)
+
+    def _move_fn(self, n: int):
+        """The compiled copy of n unit rows (the arena donated); one per padded count."""
         fn = self._move_fns.get(n)
         if fn is None:
-            fn = jax.jit(lambda a, s, d: self.ops.copy_units(a, s, d, num_units=1), donate_argnums=(0,))
+            rows = jax.ShapeDtypeStruct((n,), jnp.int32)
+            jitted = jax.jit(lambda a, s, d: self.ops.copy_units(a, s, d, num_units=1), donate_argnums=(0,))
+            fn = jitted.lower(jax.ShapeDtypeStruct(self.state.arena.shape, self.state.arena.dtype), rows,
+                              rows).compile()
             self._move_fns[n] = fn
-        return fn(arena, src, dst)
+        return fn
 
     def state_lost(self) -> bool:
         """The arena was donated to a computation whose result never arrived."""
