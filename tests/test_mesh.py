@@ -241,7 +241,7 @@ def test_planner_cli(capsys):
 def _flat(tree):
     from flax import traverse_util
 
-    from inkling_jax.weights import _lists_to_dicts
+    from inkling_jax.weights.tree import _lists_to_dicts
 
     return traverse_util.flatten_dict(_lists_to_dicts(tree))
 
@@ -420,7 +420,7 @@ class _SliceRecorder:
 @on_mesh
 @pytest.mark.parametrize("naming", ["hub", "transformers"])
 def test_on_mesh_load_pretrained_reads_each_devices_slices(tmp_path, monkeypatch, naming):
-    import inkling_jax.weights as W
+    import inkling_jax.weights.safetensors_io as W
 
     cfg = PARITY_CONFIGS["tiny"]
     ik.save_pretrained(tmp_path, cfg, _params("tiny"), naming=naming, max_shard_bytes=150_000)

@@ -269,7 +269,7 @@ def test_checkpoints_land_only_in_translated_slots(trunk_params):
     sink; the checkpoint slots hold the new windows; an all-padded step changes nothing."""
     lay = ArenaLayout.build(TRUNK, 4)
     n_slots, n_pages = 12, 12
-    units = (n_slots + 1) * lay.slot_units + (n_pages + 1) * lay.page_units
+    units = lay.arena_units(n_slots, n_pages)
     step = compile_step(TRUNK, lay, StepShape("decode", 4, 4, 1, 4))
     rng = np.random.RandomState(0)
     state = init_state(lay, units, n_slots, n_pages, jnp.float32)

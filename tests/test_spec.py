@@ -81,7 +81,7 @@ def test_mtp_chain_matches_hf_decoder_layer(spec_params, torch_threads):
     import torch
     from transformers.models.inkling.configuration_inkling import InklingTextConfig
     from transformers.models.inkling.modeling_inkling import InklingDecoderLayer
-    from inkling_jax.weights import _layer_entries
+    from inkling_jax.weights.names import _layer_entries
 
     cfg, params = SPEC_CFG, spec_params
     tokens = prompts_from(3, (14,))[0]

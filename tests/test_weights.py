@@ -11,7 +11,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 import inkling_jax as ik
-from inkling_jax.weights import _deinterleave, _interleave
+from inkling_jax.weights.names import _deinterleave, _interleave
 
 
 @pytest.fixture(scope="module")
@@ -177,7 +177,7 @@ def test_save_removes_only_its_own_stale_shards(tiny, tmp_path):
 
 
 def test_failed_save_leaves_the_old_checkpoint(tiny, tmp_path, monkeypatch):
-    import inkling_jax.weights as W
+    import inkling_jax.weights.safetensors_io as W
 
     cfg, params = tiny
     ik.save_pretrained(tmp_path, cfg, params, max_shard_bytes=100_000)

@@ -58,6 +58,11 @@ def slot_unit_row(physical_slot, slot_units: int, unit_offset: int = 0):
     return physical_slot * slot_units + unit_offset
 
 
+def arena_units(slot_units: int, page_units: int, num_slots: int, num_pages: int) -> int:
+    """Units of an arena holding num_slots slots and num_pages pages besides the two sinks."""
+    return (num_slots + 1) * slot_units + (num_pages + 1) * page_units
+
+
 def page_unit_row(physical_page, num_units: int, page_units: int, page_layer: int = 0):
     """Arena row of unit `page_layer` of physical page(s): pages grow down from the top."""
     return num_units - (physical_page + 1) * page_units + page_layer
@@ -156,7 +161,7 @@ class ArenaLayout:
 
     def arena_units(self, num_slots: int, num_pages: int) -> int:
         """Units of an arena holding num_slots slots and num_pages pages besides the two sinks."""
-        return (num_slots + 1) * self.slot_units + (num_pages + 1) * self.page_units
+        return arena_units(self.slot_units, self.page_units, num_slots, num_pages)
 
     @property
     def sink_rows(self) -> int:

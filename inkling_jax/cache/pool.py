@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .layout import page_unit_row, slot_unit_row
+from .layout import arena_units, page_unit_row, slot_unit_row
 
 
 class PoolExhausted(Exception):
@@ -64,7 +64,7 @@ class _Kind:
 class UnitPool:
     def __init__(self, num_units: int, slot_units: int, page_units: int, *, unified: bool, lazy: bool,
                  num_slots: int, num_pages: int):
-        if unified and (num_slots + 1) * slot_units + (num_pages + 1) * page_units > num_units:
+        if unified and arena_units(slot_units, page_units, num_slots, num_pages) > num_units:
             raise ValueError("arena too small for the requested slots and pages")
         self.num_units = num_units
         self.unified = unified

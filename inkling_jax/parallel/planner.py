@@ -177,7 +177,7 @@ def plan_memory(cfg: InklingConfig, dtype: Any = "bfloat16", mesh: Mesh | Mappin
     weights = {k: weights[k] for k in order if k in weights}
 
     lay = ArenaLayout.build(plan.local_cfg, pool.page_size, pool.spec_steps)
-    num_units = (pool.num_slots + 1) * lay.slot_units + (pool.num_pages + 1) * lay.page_units
+    num_units = lay.arena_units(pool.num_slots, pool.num_pages)
     arena = num_units * lay.unit_elems * act
     note = (f"{pool.num_slots} slots x {lay.slot_units} + {pool.num_pages} pages x {lay.page_units} units "
             f"of {lay.unit_elems * act / 1024:.0f} KiB")
