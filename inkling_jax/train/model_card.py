@@ -34,6 +34,35 @@ def retrain_command(argv: list[str], planned_steps: int, end_step: int | None = 
     return shlex.join(["inkling-train", *out])
 
 
+def _results(final_train: dict | None, final_eval: dict, figure: str | None) -> list[str]:
+    """The card's results section: the last train interval and the last evaluation."""
+    lines = ["", "## Results", "", "| | loss (nats/byte) | bits per byte |", "| --- | --- | --- |"]
+    if final_train is not None:
+        lines.append(f"| train, trunk (mean over the log interval ending at step {final_train['step']}) | "
+                     f"{final_train['trunk']:.4f} | {final_train['trunk'] / math.log(2):.3f} |")
+    lines.append(f"| **validation, trunk** (step {final_eval['step']}) | **{final_eval['val_loss']:.4f}** | "
+                 f"**{final_eval['val_bpb']:.3f}** |")
+    lines += ["", f"MTP validation loss: {_fmt_losses(final_eval['val_mtp'])}."]
+    if final_train is not None:
+        lines.append(f"MTP train loss (last log interval): {_fmt_losses(final_train['mtp'])}.")
+    if figure:
+        lines += ["", f"![loss curves]({figure})"]
+    return lines
+
+
+def _retrain(command: str | None, retrain: str | None, argv: list[str] | None, starts: int) -> list[str]:
+    """The card's retrain section: the command that made the model, and the one that remakes it."""
+    lines = ["", "## Retrain", ""]
+    if command:
+        lines += ["The command that made this model:", "", "```", command, "```", ""]
+    if retrain and any(a.startswith("--time-budget") for a in argv):
+        lines += ["The same schedule and the same end without the time budget (the step count it settled on, "
+                  "and the step the budget stopped it at), into the package:", "", "```", retrain, "```", ""]
+    if starts > 1:
+        lines += [f"(The run was resumed {starts - 1} time(s) from its checkpoints.)", ""]
+    return lines
+
+
 def _fmt_losses(values: list[float]) -> str:
     return ", ".join(f"depth {d}: {v:.4f} nats ({v / math.log(2):.3f} bpb)" for d, v in enumerate(values))
 
@@ -45,7 +74,7 @@ def model_card(records: list[dict[str, Any]], name: str = "shakespeare", figure:
     starts = [r for r in records if r["event"] == "start"]
     if not starts:
         raise ValueError("model_card: the log has no start record")
-    first, last_start = starts[0], starts[-1]
+    first = starts[0]
     end = next((r for r in reversed(records) if r["event"] == "end"), None)
     if end is None:
         raise ValueError("model_card: the log has no end record (the run did not finish)")
@@ -123,32 +152,6 @@ def model_card(records: list[dict[str, Any]], name: str = "shakespeare", figure:
     if plans:
         lines.append(f"- schedule fitted to the time budget at step {plans[-1]['step']} "
                      f"({plans[-1]['ms_per_step']:.1f} ms/step measured)")
-    lines += [
-        "",
-        "## Results",
-        "",
-        "| | loss (nats/byte) | bits per byte |",
-        "| --- | --- | --- |",
-    ]
-    if final_train is not None:
-        lines.append(f"| train, trunk (mean over the log interval ending at step {final_train['step']}) | "
-                     f"{final_train['trunk']:.4f} | {final_train['trunk'] / math.log(2):.3f} |")
-    lines.append(f"| **validation, trunk** (step {final_eval['step']}) | **{final_eval['val_loss']:.4f}** | "
-                 f"**{final_eval['val_bpb']:.3f}** |")
-    lines += [
-        "",
-        f"MTP validation loss: {_fmt_losses(final_eval['val_mtp'])}.",
-    ]
-    if final_train is not None:
-        lines.append(f"MTP train loss (last log interval): {_fmt_losses(final_train['mtp'])}.")
-    if figure:
-        lines += ["", f"![loss curves]({figure})"]
-    lines += ["", "## Retrain", ""]
-    if command:
-        lines += ["The command that made this model:", "", "```", command, "```", ""]
-    if retrain and any(a.startswith("--time-budget") for a in argv):
-        lines += ["The same schedule and the same end without the time budget (the step count it settled on, "
-                  "and the step the budget stopped it at), into the package:", "", "```", retrain, "```", ""]
-    if last_start is not first:
-        lines += [f"(The run was resumed {len(starts) - 1} time(s) from its checkpoints.)", ""]
+    lines += _results(final_train, final_eval, figure)
+    lines += _retrain(command, retrain, argv, len(starts))
     return "\n".join(lines).rstrip() + "\n"
