@@ -241,7 +241,7 @@ def test_planner_cli(capsys):
 def _flat(tree):
     from flax import traverse_util
 
-    from inkling_jax.weights.tree import _lists_to_dicts
+    from inkling_jax.model.params import _lists_to_dicts
 
     return traverse_util.flatten_dict(_lists_to_dicts(tree))
 

@@ -210,7 +210,7 @@ class Engine:
 
     def bytes_for_tokens(self, tokens: int) -> int:
         """Arena bytes one request of `tokens` positions occupies (its slots and pages)."""
-        lay, pool = self.layout, self.pool
+        lay = self.layout
         units = self.admission.slots_per_request * lay.slot_units + self.admission.pages_for(tokens) * lay.page_units
         return units * lay.unit_elems * np.dtype(self.runner.dtype).itemsize
 

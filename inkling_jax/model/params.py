@@ -21,12 +21,12 @@ bias and scales stay fp32 whatever the model dtype (as sglang and HF keep them).
 from __future__ import annotations
 
 import math
-
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import traverse_util
 
 from ..config import AttentionGeometry, InklingConfig
 
@@ -180,3 +180,35 @@ def check_params(cfg: InklingConfig, params: Params) -> None:
     problems += [f"{k}: shape {got[k]}, expected {expected[k]}" for k in expected if k in got and got[k] != expected[k]]
     if problems:
         raise ValueError("parameters do not match the config:\n  " + "\n  ".join(problems))
+
+
+# ------------------------------------------------------------- nested parameter names
+
+
+def flat_params(params: Params) -> dict[tuple, Any]:
+    """{path: leaf} with paths like ("layers", 3, "attn", "wqkvr") (list positions as ints):
+    the keys `Entry.path` and `ShardPlan.flat_layouts` use."""
+    return traverse_util.flatten_dict(_lists_to_dicts(params))
+
+
+def nest_params(flat: dict[tuple, Any]) -> Params:
+    """Inverse of flat_params: nested dicts, with int-keyed levels turned back into lists."""
+    return _int_dicts_to_lists(traverse_util.unflatten_dict(flat))
+
+
+def _lists_to_dicts(tree: Any) -> Any:
+    if isinstance(tree, list):
+        return {i: _lists_to_dicts(v) for i, v in enumerate(tree)}
+    if isinstance(tree, dict):
+        return {k: _lists_to_dicts(v) for k, v in tree.items()}
+    return tree
+
+
+def _int_dicts_to_lists(tree: Any) -> Any:
+    if isinstance(tree, dict):
+        if tree and all(isinstance(k, int) for k in tree):
+            if sorted(tree) != list(range(len(tree))):
+                raise ValueError(f"parameter list positions {sorted(tree)} are not 0..{len(tree) - 1}")
+            return [_int_dicts_to_lists(tree[i]) for i in range(len(tree))]
+        return {k: _int_dicts_to_lists(v) for k, v in tree.items()}
+    return tree

@@ -38,11 +38,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import traverse_util
 from jax.sharding import Mesh, NamedSharding
 
 from ..config import AttentionGeometry, InklingConfig
-from ..model.params import Params, check_params, param_shapes
+from ..model.params import Params, check_params, flat_params, param_shapes
 from .axes import EP_AXIS, TP_AXIS, ParallelAxes
 from .layout import DimLayout, LeafLayout, Part
 
@@ -108,7 +107,7 @@ class ShardPlan:
     def flat_layouts(self) -> dict[tuple, LeafLayout]:
         """{params path: LeafLayout} (paths as in flax.traverse_util.flatten_dict, list
         positions as ints)."""
-        return traverse_util.flatten_dict(_lists_to_dicts(self.layouts))
+        return flat_params(self.layouts)
 
     # ------------------------------------------------------------ moving params
 
@@ -341,14 +340,6 @@ def _leaf_layouts(cfg: InklingConfig, tp: int, ep: int) -> Params:
 
 def _is_layout(x: Any) -> bool:
     return isinstance(x, LeafLayout)
-
-
-def _lists_to_dicts(tree: Any) -> Any:
-    if isinstance(tree, list):
-        return {i: _lists_to_dicts(v) for i, v in enumerate(tree)}
-    if isinstance(tree, dict):
-        return {k: _lists_to_dicts(v) for k, v in tree.items()}
-    return tree
 
 
 def _same_bits(a: np.ndarray, b: np.ndarray) -> bool:

@@ -1,4 +1,4 @@
-"""Checkpoint I/O (names.py, safetensors_io.py, orbax_io.py, tree.py): safetensors in the hub naming and the HF transformers naming, and orbax.
+"""Checkpoint I/O (names.py, safetensors_io.py, orbax_io.py): safetensors in the hub naming and the HF transformers naming, and orbax.
 
 Hub naming (what HF `InklingForConditionalGeneration.save_pretrained` writes, and sglang
 reads): `model.llm.embed.weight`, `model.llm.layers.N.attn.wq_du.weight`, fused and
@@ -23,6 +23,7 @@ Nested parameter names go through `flax.traverse_util` (`flat_params` / `nest_pa
 entries, layouts and orbax metadata meet as {("layers", 3, "attn", "wqkvr"): leaf}.
 """
 
+from ..model.params import flat_params, nest_params
 from .names import Entry, detect_naming, entries
 from .orbax_io import load_checkpoint, save_checkpoint
 from .safetensors_io import (
@@ -32,7 +33,6 @@ from .safetensors_io import (
            load_pretrained,
            save_pretrained,
 )
-from .tree import flat_params, nest_params
 
 __all__ = ["CONFIG_FILE", "INDEX_FILE", "Entry", "checkpoint_tensors", "detect_naming", "entries", "flat_params",
            "load_checkpoint", "load_pretrained", "nest_params", "save_checkpoint", "save_pretrained"]

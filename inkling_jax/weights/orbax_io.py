@@ -10,11 +10,17 @@ import jax
 from jax.sharding import Mesh, NamedSharding
 
 from ..config import InklingConfig
-from ..model.params import cast_params, check_params, leaf_dtype, param_shapes
+from ..model.params import (
+    cast_params,
+    check_params,
+    flat_params,
+    leaf_dtype,
+    nest_params,
+    param_shapes,
+)
 from ..parallel.plan import ShardPlan
 from .names import Params
 from .safetensors_io import CONFIG_FILE, _check_directory, _read_config
-from .tree import flat_params, nest_params
 
 # ----------------------------------------------------------------------------- orbax
 

@@ -18,10 +18,15 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from ..config import InklingConfig
-from ..model.params import cast_params, check_params, leaf_dtype
+from ..model.params import (
+    cast_params,
+    check_params,
+    flat_params,
+    leaf_dtype,
+    nest_params,
+)
 from ..parallel.plan import ShardPlan
 from .names import _ALIASES, _IGNORED, Array, Params, detect_naming, entries
-from .tree import _to_numpy, flat_params, nest_params
 
 # ------------------------------------------------------------------------ safetensors
 
@@ -364,3 +369,7 @@ def _write_checkpoint_files(path: str, config: dict, tensors: dict[str, Array], 
             os.remove(full)
 
 
+def _to_numpy(x: Any, dtype: Any) -> Array:
+    x = jax.device_get(x)
+    x = np.asarray(x)
+    return x.astype(dtype) if dtype is not None else x
