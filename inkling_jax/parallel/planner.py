@@ -13,7 +13,9 @@ dtype for the rest (embed / unembed, norms, rel_proj). fp8 matrices add one fp32
 
 Arena (exact): `ArenaLayout.build(local_cfg, page_size, spec_steps)` on the local config —
 units of one full layer's K/V page (the local kv heads); num_units = (num_slots + 1) * slot
-units + (num_pages + 1) * page units, as `Engine` sizes it (slot 0 and page 0 are sinks).
+units + (num_pages + 1) * page units (`arena_units`, which `Engine` sizes its arena with;
+slot 0 and page 0 are sinks). `Engine(..., mesh=)` refuses an arena that does not fit
+the devices' free memory by this count.
 
 Workspace (an estimate of the reference jnp step, documented term by term in
 `_workspace`): the largest step's residual stream, one layer's projections, the larger of
@@ -177,12 +179,23 @@ def plan_memory(cfg: InklingConfig, dtype: Any = "bfloat16", mesh: Mesh | Mappin
     weights = {k: weights[k] for k in order if k in weights}
 
     lay = ArenaLayout.build(plan.local_cfg, pool.page_size, pool.spec_steps)
-    num_units = (pool.num_slots + 1) * lay.slot_units + (pool.num_pages + 1) * lay.page_units
-    arena = num_units * lay.unit_elems * act
+    arena = arena_units(lay, pool.num_slots, pool.num_pages) * lay.unit_elems * act
     note = (f"{pool.num_slots} slots x {lay.slot_units} + {pool.num_pages} pages x {lay.page_units} units "
             f"of {lay.unit_elems * act / 1024:.0f} KiB")
     return MemoryPlan(cfg, plan.tp, plan.ep, str(jnp.dtype(dtype)), wb, pool, weights, arena, note,
                       _workspace(plan, pool, act))
+
+
+def arena_units(layout: ArenaLayout, num_slots: int, num_pages: int) -> int:
+    """Units of the arena `Engine` allocates for num_slots slots and num_pages pages (each
+    device's, with layout the local one): slot 0 and page 0 are sinks."""
+    return (num_slots + 1) * layout.slot_units + (num_pages + 1) * layout.page_units
+
+
+def pool_sizes(config: Any) -> PoolSizes:
+    """The PoolSizes of an `EngineConfig` (the fields that set memory)."""
+    return PoolSizes(config.num_slots, config.num_pages, config.page_size, config.spec_steps, config.max_running,
+                     config.chunk_size, config.max_step_tokens, config.max_context)
 
 
 def _weight_part(cfg: InklingConfig, path: tuple) -> str:
