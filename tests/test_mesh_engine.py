@@ -125,6 +125,20 @@ def test_one_device_mesh_equals_no_mesh():
     engine.check_invariants()
 
 
+def test_single_device_step_traces_no_collective():
+    """Without a mesh the steps trace none of the mesh hooks (parallel=None is the
+    single-device program: no psum, all_gather or axis index in the lowered step)."""
+    from inkling_jax.cache.state import init_state
+    from inkling_jax.steps import StepBatch, StepShape, compile_step
+
+    shape = StepShape("verify", 2, 6, 3, 4)
+    engine = _engine(spec_steps=2)
+    state = init_state(engine.layout, 200, 8, 16, jnp.float32)
+    text = compile_step(CFG, engine.layout, shape).lower(_params(), state, StepBatch.empty(shape, 2)).as_text()
+    for op in ("all_reduce", "all_gather", "partition_id", "replica_id", "sdy.manual_computation"):
+        assert op not in text, op
+
+
 def test_mesh_arguments_are_checked():
     with pytest.raises(ValueError, match=r"mesh must be a jax.sharding.Mesh"):
         _engine(mesh="tp=2")
@@ -232,16 +246,29 @@ def test_on_mesh_engine_equals_one_device(tp, ep):
 
 
 @on_mesh
-def test_on_mesh_pallas_kernels_run_per_shard():
-    """The Pallas kernels (interpret mode: conv-state updates, slot copies, the few-token
-    MoE mat-vec) on each device's arena block under shard_map: the reference path's outputs."""
-    prompts = PROMPTS[:2]
+def test_on_mesh_pallas_kernels_and_repeated_kv_heads():
+    """tp 4 x ep 2: the full layers' 2 kv heads each sit on two tp shards (repeated in the
+    params and in the arena). The Pallas kernels (interpret mode: conv-state updates, slot
+    copies, the few-token MoE mat-vec) run on each device's arena block under shard_map.
+    Outputs equal the single-device reference path's; read_slot keeps each kv head once."""
+    mesh = ik.make_mesh(tp=4, ep=2)
     sampling = ik.SamplingParams(max_new_tokens=4, stop_at_eos=False)
-    engine = _engine(ik.make_mesh(tp=2, ep=2), use_pallas=True, pallas_interpret=True)
+    engine = _engine(mesh, use_pallas=True, pallas_interpret=True)
     assert engine.runner.ops.pallas
-    got = engine.generate(prompts, sampling)
-    want = _engine().generate(prompts, sampling)
+    assert engine.plan.local_cfg.num_kv_heads == 1 and engine.plan.local_cfg.swa_num_kv_heads == 1
+    single = _engine()
+    reads = []
+    for e in (single, engine):
+        out = e.generate(PROMPTS[:2], sampling)
+        sid = e.open_session()
+        out += e.generate([PROMPTS[2]], sampling, session=sid)
+        reads.append((out, e.read_slot(e.sessions[sid].held.virtual_slot)))
+    (want, want_slot), (got, got_slot) = reads
     _assert_same_completions(got, want)
+    assert got_slot.keys() == want_slot.keys()
+    for key in want_slot:
+        assert got_slot[key].shape == want_slot[key].shape, key
+        np.testing.assert_allclose(got_slot[key], want_slot[key], rtol=0, atol=1e-5, err_msg=key)
 
 
 @on_mesh

@@ -254,7 +254,7 @@ class StepRunner:
         if fn is None:
             arena = self.state.arena
             key = (self.use_pallas, self.config.pallas_interpret, None if self.plan is None else self.plan.mesh,
-                   self.layout.sink_rows, n, arena.shape, str(arena.dtype))
+                   n, arena.shape, str(arena.dtype))
             fn = _MOVES.get(key)
             if fn is None:
                 if self.plan is None:
