@@ -3,6 +3,8 @@
     inkling-generate [--model shakespeare|tiny|small|bench|PATH] [--prompt TEXT ... | --prompts-file F]
                      [--max-new-tokens N] [--temperature T] [--spec-steps K] [--no-prefix-cache]
                      [--lazy] [--pool unified|static] [--max-running N] [--seed S] [--dtype D]
+                     [--tp N] [--ep N]
+                     [--coordinator HOST:PORT --num-processes N --process-id I]
 
 With no arguments it runs the embedded default model, the trained byte-level `shakespeare`
 model shipped in `inkling_jax/models/` (its card: `inkling_jax/models/shakespeare/README.md`),
@@ -14,6 +16,23 @@ The engine geometry is sized from the prompts so that one run compiles few step 
 batch bucket (max_running rows), one token bucket (max_step_tokens) and one context bucket
 (the longest prompt plus max_new_tokens, rounded up to a power of two): an extend step and a
 decode step, both compiled up front (`--no-warmup` compiles them lazily instead).
+
+Serving on a mesh: `--tp N --ep M` builds `make_mesh(tp=N, ep=M)` over the first N * M
+devices and runs `Engine(..., mesh=)` (tensor parallel over heads, MLP widths and vocab;
+expert parallel over routed experts; a model directory is read slice by slice onto the
+devices). Either flag alone sets the other to 1; neither: one device, no mesh.
+
+Several hosts (processes): start the same command on every host, adding
+`--coordinator HOST:PORT --num-processes N --process-id I` (I = 0 .. N-1; HOST:PORT is
+where process 0 listens). `jax.distributed.initialize` runs first, before anything touches
+a device; the mesh then spans every process's devices (`jax.devices()` is global). Every
+process loads the model, tokenizes the same prompts and runs the same host loop: the
+engine is deterministic, so the schedules agree step for step, and each reads the same
+replicated outputs. Only process 0 prints completions, stats and progress; errors are
+printed by the process that meets them.
+
+    host0$ inkling-generate --model /ckpt --tp 8 --ep 2 --coordinator host0:1234 --num-processes 2 --process-id 0
+    host1$ inkling-generate --model /ckpt --tp 8 --ep 2 --coordinator host0:1234 --num-processes 2 --process-id 1
 """
 
 from __future__ import annotations
@@ -57,9 +76,10 @@ def default_dtype() -> str:
     return "bfloat16" if jax.default_backend() in ("gpu", "tpu") else "float32"
 
 
-def load_model(spec: str, dtype=jnp.float32):
+def load_model(spec: str, dtype=jnp.float32, mesh=None):
     """(cfg, params) for a preset name (random weights from jax.random.key(0)), a shipped
-    model's name or a model directory."""
+    model's name or a model directory (with a mesh: read onto it in the sharded layout,
+    each device's slices only)."""
     if spec in PRESETS:
         from .model import init_params
 
@@ -78,7 +98,51 @@ def load_model(spec: str, dtype=jnp.float32):
     if not os.path.isfile(os.path.join(spec, "config.json")):
         raise CliError(f"--model {spec!r} is neither a preset ({', '.join(PRESETS)}), a shipped model "
                        f"({', '.join(SHIPPED)}) nor a model directory with a config.json")
-    return load_pretrained(spec, dtype=dtype)
+    return load_pretrained(spec, dtype=dtype, mesh=mesh)
+
+
+# ----------------------------------------------------------------------------- devices
+
+
+def init_distributed(args: argparse.Namespace) -> None:
+    """`jax.distributed.initialize` from --coordinator / --num-processes / --process-id (all
+    three, or none: one process). Must run before anything touches a device."""
+    given = {name: getattr(args, name) for name in ("coordinator", "num_processes", "process_id")}
+    if all(v is None for v in given.values()):
+        return
+    missing = [f"--{k.replace('_', '-')}" for k, v in given.items() if v is None]
+    if missing:
+        raise CliError(f"several processes need --coordinator, --num-processes and --process-id together "
+                       f"(missing {', '.join(missing)})")
+    host, _, port = args.coordinator.rpartition(":")
+    if not host or not port.isdigit():
+        raise CliError(f"--coordinator must be HOST:PORT, got {args.coordinator!r}")
+    if args.num_processes < 1:
+        raise CliError(f"--num-processes must be >= 1, got {args.num_processes}")
+    if not 0 <= args.process_id < args.num_processes:
+        raise CliError(f"--process-id must be in [0, {args.num_processes}), got {args.process_id}")
+    try:
+        jax.distributed.initialize(coordinator_address=args.coordinator, num_processes=args.num_processes,
+                                   process_id=args.process_id)
+    except Exception as e:  # noqa: BLE001 - no coordinator, a port in use, devices already started
+        raise CliError(f"jax.distributed.initialize({args.coordinator}, {args.num_processes} processes, "
+                       f"process {args.process_id}) failed: {type(e).__name__}: {e}") from None
+
+
+def build_mesh(args: argparse.Namespace):
+    """The serving mesh of --tp / --ep (None when neither is given)."""
+    if args.tp is None and args.ep is None:
+        return None
+    from .parallel import make_mesh
+
+    tp, ep = (1 if args.tp is None else args.tp), (1 if args.ep is None else args.ep)
+    for name, value in (("tp", tp), ("ep", ep)):
+        if value < 1:
+            raise CliError(f"--{name} must be >= 1, got {value}")
+    try:
+        return make_mesh(tp=tp, ep=ep)
+    except ValueError as e:
+        raise CliError(str(e)) from None
 
 
 def read_prompts(path: str) -> list[str]:
@@ -135,7 +199,8 @@ class RunResult:
 
 
 def run(engine, prompts: list[list[int]], sampling, progress: bool = True) -> RunResult:
-    """Submit every prompt, step the engine until all finish (a tqdm bar counts tokens)."""
+    """Submit every prompt, step the engine until all finish (a tqdm bar counts tokens).
+    On several processes every process runs this same loop (only one shows the bar)."""
     from tqdm import tqdm
 
     from .engine import Completion
@@ -232,12 +297,21 @@ def build_parser() -> argparse.ArgumentParser:
                     help="persistent XLA compilation cache directory: later runs with the same shapes load "
                          "the compiled steps instead of compiling them (off by default)")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
+    mesh = ap.add_argument_group("mesh", "serve on several devices (Engine(..., mesh=make_mesh(tp, ep)))")
+    mesh.add_argument("--tp", type=int, default=None, help="tensor-parallel devices: heads, MLP widths, vocab")
+    mesh.add_argument("--ep", type=int, default=None, help="expert-parallel devices: routed experts")
+    hosts = ap.add_argument_group("several processes", "jax.distributed.initialize; the same command on every host, "
+                                  "only process 0 prints")
+    hosts.add_argument("--coordinator", metavar="HOST:PORT", default=None, help="process 0's address")
+    hosts.add_argument("--num-processes", type=int, default=None, metavar="N")
+    hosts.add_argument("--process-id", type=int, default=None, metavar="I", help="this process: 0 .. N-1")
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        init_distributed(args)  # first: before anything touches a device
         return _main(args)
     except CliError as e:
         print(f"inkling-generate: error: {e}", file=sys.stderr)
@@ -246,6 +320,12 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(args: argparse.Namespace) -> int:
     from .engine import Engine, SamplingParams
+
+    printing = jax.process_index() == 0  # several processes: one prints
+
+    def say(*a, **kw) -> None:
+        if printing:
+            print(*a, **kw)
 
     if args.prompt:
         texts = list(args.prompt)
@@ -264,10 +344,11 @@ def _main(args: argparse.Namespace) -> int:
     if args.compile_cache:
         jax.config.update("jax_compilation_cache_dir", args.compile_cache)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    mesh = build_mesh(args)
 
     t0 = time.perf_counter()
     try:
-        cfg, params = load_model(args.model, dtype=jnp.dtype(dtype))
+        cfg, params = load_model(args.model, dtype=jnp.dtype(dtype), mesh=mesh)
     except CliError:
         raise
     except Exception as e:  # noqa: BLE001 - any unreadable model is one line, not a traceback
@@ -289,28 +370,34 @@ def _main(args: argparse.Namespace) -> int:
                                   stop_at_eos=not args.ignore_eos)
         sampling.validate()
         econf = engine_config(args, [len(p) for p in prompts])
-        engine = Engine(cfg, params, econf)
+        engine = Engine(cfg, params, econf, mesh=mesh)
     except (ValueError, NotImplementedError) as e:
         raise CliError(str(e)) from None
     except MemoryError as e:
         raise CliError(f"out of host memory building the engine: {e}") from None
     load_s = time.perf_counter() - t0
 
-    print(f"model {args.model} ({dtype}, {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
-          f"vocab {cfg.unpadded_vocab_size}) loaded in {load_s:.2f} s")
-    print(f"engine: {econf.pool} pool, prefix cache {'on' if econf.prefix_cache else 'off'}, "
-          f"{econf.ping_pong} ping-pong, max_running {econf.max_running}, page_size {econf.page_size}, "
-          f"track_interval {econf.track_interval}, context {econf.max_context}, "
-          f"{'pallas' if engine.runner.use_pallas else 'jnp'} kernels")
+    say(f"model {args.model} ({dtype}, {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
+        f"vocab {cfg.unpadded_vocab_size}) loaded in {load_s:.2f} s")
+    if engine.plan is not None:
+        say(f"mesh: tp={engine.plan.tp} x ep={engine.plan.ep} over {engine.mesh.devices.size} "
+            f"{engine.mesh.devices.flat[0].platform} devices, {jax.process_count()} process(es); "
+            f"{engine.plan.describe()}")
+    say(f"engine: {econf.pool} pool, prefix cache {'on' if econf.prefix_cache else 'off'}, "
+        f"{econf.ping_pong} ping-pong, max_running {econf.max_running}, page_size {econf.page_size}, "
+        f"track_interval {econf.track_interval}, context {econf.max_context}, "
+        f"{'pallas' if engine.runner.use_pallas else 'jnp'} kernels")
     warmup_s = 0.0
     if not args.no_warmup:
         t1 = time.perf_counter()
         engine.warmup()
         warmup_s = time.perf_counter() - t1
-        print(f"compiled {engine.stats()['compiles']} step shapes in {warmup_s:.2f} s")
+        say(f"compiled {engine.stats()['compiles']} step shapes in {warmup_s:.2f} s")
 
-    res = run(engine, prompts, sampling, progress=not args.no_progress)
+    res = run(engine, prompts, sampling, progress=printing and not args.no_progress)
 
+    if not printing:
+        return 0
     print()
     for i, (text, c) in enumerate(zip(texts, res.completions)):
         shown = c.tokens

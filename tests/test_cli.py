@@ -140,3 +140,71 @@ def test_bad_model_files_are_one_line(capsys, tmp_path, contents):
     err = capsys.readouterr().err
     assert err.startswith("inkling-generate: error: cannot load model") and "Traceback" not in err
     assert err.count("\n") == 1
+
+
+# ------------------------------------------------------------------ mesh and several processes
+
+MESH_FLAGS = ["--prompt", *PROMPTS[:2], "--max-new-tokens", "4", "--max-running", "1", "--page-size", "4",
+              "--ignore-eos", "--no-progress"]
+
+
+def test_mesh_flags_on_one_process(capsys, monkeypatch):
+    """--tp 1 --ep 1 serves on a one-device mesh (the shard_map path) with the no-mesh
+    completions; the distributed flags reach jax.distributed.initialize before the run."""
+    plain = run_cli(capsys, MESH_FLAGS)
+    calls = []
+    monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: calls.append(kw))
+    out = run_cli(capsys, [*MESH_FLAGS, "--tp", "1", "--ep", "1", "--coordinator", "localhost:1234",
+                           "--num-processes", "1", "--process-id", "0"])
+    assert calls == [dict(coordinator_address="localhost:1234", num_processes=1, process_id=0)]
+    assert "mesh: tp=1 x ep=1 over 1 cpu devices, 1 process(es)" in out
+    assert completions(out) == completions(plain) and len(completions(out)) == 2
+    # only process 0 prints: another process runs the same loop silently
+    monkeypatch.setattr(jax, "process_index", lambda *a: 1)
+    assert cli.main([*MESH_FLAGS, "--tp", "1"]) == 0
+    assert capsys.readouterr().out == ""
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--coordinator", "localhost:1234"], "need --coordinator, --num-processes and --process-id together "
+                                          "(missing --num-processes, --process-id)"),
+    (["--num-processes", "2", "--process-id", "0"], "(missing --coordinator)"),
+    (["--coordinator", "localhost", "--num-processes", "2", "--process-id", "0"], "--coordinator must be HOST:PORT"),
+    (["--coordinator", "h:1", "--num-processes", "0", "--process-id", "0"], "--num-processes must be >= 1"),
+    (["--coordinator", "h:1", "--num-processes", "2", "--process-id", "2"], "--process-id must be in [0, 2)"),
+    (["--tp", "0"], "--tp must be >= 1"),
+    (["--tp", "2"], "needs 2 devices, but only 1"),
+    (["--tp", "3", "--ep", "1"], "needs 3 devices"),
+])
+def test_mesh_flag_errors_are_one_line(capsys, monkeypatch, argv, message):
+    monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: pytest.fail("initialize was called"))
+    assert cli.main(argv + ["--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("inkling-generate: error:") and message in err, err
+    assert err.count("\n") == 1
+
+
+def test_two_processes_on_localhost(capsys):
+    """A real two-process run on this host: jax.distributed over localhost, one CPU device
+    per process, a tp=2 mesh spanning both (cross-process collectives: gloo). Process 0
+    prints the single-process completions; process 1 prints none."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_backend_optimization_level=0")
+    argv = [sys.executable, "-m", "inkling_jax.cli", *MESH_FLAGS, "--no-warmup", "--tp", "2",
+            "--coordinator", f"localhost:{port}", "--num-processes", "2"]
+    procs = [subprocess.Popen([*argv, "--process-id", str(i)], cwd=repo, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for i in range(2)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+    assert "mesh: tp=2 x ep=1 over 2 cpu devices, 2 process(es)" in outs[0][0]
+    assert completions(outs[1][0]) == [] and "stats:" not in outs[1][0]
+    assert completions(outs[0][0]) == completions(run_cli(capsys, MESH_FLAGS))

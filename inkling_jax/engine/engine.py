@@ -24,6 +24,13 @@ donated, outputs that cannot be read twice), `reset` restarts every request from
 
 One engine, one lock: every public method holds it, so calls from several threads are
 serialized step by step (two threads calling `generate` share steps).
+
+On a mesh (`Engine(cfg, params, config, mesh=ik.make_mesh(tp=2, ep=4))`) only the device
+side changes: params are placed in the `ShardPlan`'s sharded layout, the arena is sharded
+over "tp" and the steps run under `shard_map` (`inkling_jax/parallel/serving.py`). The
+host side plans in the per-device layout's units, the same on every device; on several
+hosts every process runs this same host loop (the engine is deterministic) and reads the
+same replicated outputs.
 """
 
 from __future__ import annotations
@@ -36,19 +43,23 @@ from typing import Any, Sequence
 
 import jax
 import numpy as np
+from jax.sharding import Mesh
 
 from ..cache.layout import ArenaLayout
 from ..cache.pool import UnitPool
 from ..cache.prefix_tree import PrefixTree
 from ..config import InklingConfig
 from ..model.params import check_params
+from ..parallel.plan import ShardPlan
+from ..parallel.planner import plan_memory, pool_sizes
+from ..parallel.serving import place_params
 from ..steps import StepOutput, pack_batch
 from .admission import Admission
 from .checkpoints import CheckpointPolicy
 from .config import EngineConfig, SamplingParams, is_int
 from .interrupts import critical
 from .records import Completion, Request, Session
-from .runner import StepRunner, check_arena_fits
+from .runner import StepRunner, check_arena_fits, check_arena_fits_per_device
 from .scheduler import HostOutputs, Scheduler, StepPlan
 
 
@@ -62,15 +73,34 @@ class InFlight:
 
 
 class Engine:
-    def __init__(self, cfg: InklingConfig, params: Any, config: EngineConfig | None = None):
+    """The serving engine (see the module docstring and API.md).
+
+    cfg: the model's config. params: its params: unsharded (numpy or on one device), or, with
+    a mesh, already in the mesh's sharded layout (`load_pretrained(path, mesh=mesh)`).
+    mesh: None (one device), or a `make_mesh(tp, ep)` mesh to serve on: params are placed
+    by `ShardPlan(cfg, mesh)` (ValueError naming the config field when the mesh cannot split
+    the model), the arena is sized per device and refused when it does not fit the devices'
+    free memory. A mesh of one device gives the same outputs as none.
+
+    Attributes: `plan` (the ShardPlan, None without a mesh), `params` (as placed), `layout`
+    (the arena layout of one device), `state` (the device serving state)."""
+
+    def __init__(self, cfg: InklingConfig, params: Any, config: EngineConfig | None = None,
+                 mesh: Mesh | None = None):
         config = config or EngineConfig()
         if not isinstance(config, EngineConfig):
             raise ValueError(f"config must be an EngineConfig, got {type(config).__name__}")
         config.validate()
-        try:
-            check_params(cfg, params)
-        except (ValueError, KeyError, TypeError) as exc:
-            raise ValueError(f"params do not fit the config: {exc}") from None
+        if mesh is not None and not isinstance(mesh, Mesh):
+            raise ValueError(f"mesh must be a jax.sharding.Mesh (ik.make_mesh(tp=, ep=)), got {type(mesh).__name__}")
+        self.plan = None if mesh is None else ShardPlan(cfg, mesh)  # ValueError naming the field that does not split
+        if self.plan is None:
+            try:
+                check_params(cfg, params)
+            except (ValueError, KeyError, TypeError) as exc:
+                raise ValueError(f"params do not fit the config: {exc}") from None
+        elif not isinstance(params, dict) or "unembed" not in params:
+            raise ValueError("params do not fit the config: expected a params dict (init_params / load_pretrained)")
         if config.spec_steps > cfg.num_mtp_layers:
             raise ValueError(f"spec_steps={config.spec_steps} exceeds the model's MTP depths "
                              f"({cfg.num_mtp_layers}{'; the checkpoint has no MTP weights' if not cfg.num_mtp_layers else ''})")
@@ -78,10 +108,19 @@ class Engine:
             raise ValueError("spec_steps > 0 but the params hold no MTP weights")
         if config.spec_steps and config.track_interval <= config.spec_steps + 1:
             raise ValueError("track_interval must exceed spec_steps + 1 (one checkpoint per verify at most)")
+        if self.plan is not None:
+            params = place_params(self.plan, params)
         self.cfg, self.params, self.config = cfg, params, config
-        self.layout = lay = ArenaLayout.build(cfg, config.page_size, config.spec_steps)
+        # one device's layout: with a mesh, each device's arena serves the local config
+        step_cfg = cfg if self.plan is None else self.plan.local_cfg
+        self.layout = lay = ArenaLayout.build(step_cfg, config.page_size, config.spec_steps)
         num_units = lay.arena_units(config.num_slots, config.num_pages)
-        check_arena_fits(num_units, lay, params["unembed"].dtype)  # before any host table of that size
+        # before any host table of that size
+        if self.plan is None:
+            check_arena_fits(num_units, lay, params["unembed"].dtype)
+        else:
+            memory = plan_memory(cfg, params["unembed"].dtype, self.plan, pool_sizes(config))
+            check_arena_fits_per_device(memory, [d for d in mesh.devices.flat if d.process_index == jax.process_index()])
         self.pool = UnitPool(num_units, lay.slot_units, lay.page_units, unified=config.pool == "unified",
                              lazy=config.ping_pong == "lazy", num_slots=config.num_slots,
                              num_pages=config.num_pages)
@@ -98,7 +137,7 @@ class Engine:
         self.checkpoints = CheckpointPolicy(config, self.tree, self.admission)
         self.scheduler = Scheduler(cfg, config, self.admission, self.checkpoints, self._stats)
         self.runner = StepRunner(cfg, params, config, lay, self.pool, self.max_context,
-                                 extend_checkpoints=self.checkpoints.max_per_step)
+                                 extend_checkpoints=self.checkpoints.max_per_step, plan=self.plan)
         self.waiting: list[Request] = []
         self.sessions: dict[int, Session] = self.admission.sessions
         self._rids = itertools.count()
@@ -117,8 +156,13 @@ class Engine:
 
     @property
     def state(self):
-        """The device serving state (arena and id tables)."""
+        """The device serving state (arena and id tables). With a mesh the arena is the global
+        [num_units, tp, unit_elems_local] array sharded over "tp" (see `parallel/serving.py`)."""
         return self.runner.state
+
+    @property
+    def mesh(self) -> Mesh | None:
+        return None if self.plan is None else self.plan.mesh
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams | None = None,
                  session: int | None = None) -> list[Completion]:
@@ -209,7 +253,8 @@ class Engine:
         return sess
 
     def bytes_for_tokens(self, tokens: int) -> int:
-        """Arena bytes one request of `tokens` positions occupies (its slots and pages)."""
+        """Arena bytes one request of `tokens` positions occupies (its slots and pages; per
+        device on a mesh)."""
         lay = self.layout
         units = self.admission.slots_per_request * lay.slot_units + self.admission.pages_for(tokens) * lay.page_units
         return units * lay.unit_elems * np.dtype(self.runner.dtype).itemsize

@@ -9,7 +9,14 @@ The host policy (`scheduler.py`) decides *what* runs; the runner runs it:
 
 Compiled steps are cached per engine (`compiled`) and process-wide (engines with the same
 model, layout and state geometry share executables). `warmup()` compiles every bucket the
-scheduler can pick; `stats` counts the executables this engine needed and their compile time.
+scheduler can pick, and the compaction copy for every move count it pads to; `stats` counts
+the step executables this engine needed and their compile time.
+
+With a `ShardPlan` (`Engine(..., mesh=)`) the runner holds the mesh's serving state (the
+arena [num_units, tp, unit_elems_local] sharded over "tp", the id tables replicated; see
+`inkling_jax/parallel/serving.py`), compiles the `shard_map`ped step, and applies moves to
+every device's block. Its `layout` is then the local (per-device) one; the host side of
+the engine plans in its units, which mean the same rows on every device.
 """
 
 from __future__ import annotations
@@ -28,13 +35,18 @@ from ..cache.layout import ArenaLayout
 from ..cache.pool import UnitPool
 from ..cache.state import ServingState, init_state, read_slot_field
 from ..config import InklingConfig
+from ..parallel import serving
+from ..parallel.plan import ShardPlan
+from ..parallel.planner import MemoryPlan
 from ..steps import StepBatch, StepOutput, StepShape, check_batch, compile_lowered, compile_step
 from .config import EngineConfig
 from .interrupts import critical
 
 # Compiled steps shared by engines of the same model, layout and state geometry (a process-wide
-# jit cache: an engine rebuilt with the same shapes does not compile again).
+# jit cache: an engine rebuilt with the same shapes does not compile again). Compaction copies
+# likewise, per padded move count.
 _COMPILED: dict[Any, Any] = {}
+_MOVES: dict[Any, Any] = {}
 
 
 def pow2_ceil(n: int) -> int:
@@ -50,10 +62,11 @@ def ladder(top: int, start: int = 1) -> list[int]:
     return out + [top]
 
 
-def available_memory() -> int | None:
-    """Bytes the default device can still allocate (GPU: its allocator's limit minus what is in
-    use; CPU: the host's available physical memory), or None when unknown."""
-    device = jax.devices()[0]
+def available_memory(device: jax.Device | None = None) -> int | None:
+    """Bytes `device` (default: the first device) can still allocate (GPU: its allocator's
+    limit minus what is in use; CPU: the host's available physical memory), or None when
+    unknown."""
+    device = jax.devices()[0] if device is None else device
     stats = device.memory_stats() if hasattr(device, "memory_stats") else None
     if stats and "bytes_limit" in stats:
         return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
@@ -99,6 +112,24 @@ def check_arena_fits(num_units: int, layout: ArenaLayout, dtype: Any) -> None:
                          f"lower num_pages, num_slots or max_context (or max_new_tokens)")
 
 
+def check_arena_fits_per_device(memory: MemoryPlan, devices: list[jax.Device]) -> None:
+    """ValueError naming the sizes when the arena's share of one device (`memory.arena`, the
+    planner's count) exceeds what any of `devices` (this process's devices of the mesh) has
+    free. CPU devices of one host share its memory: each gets an equal part of it."""
+    shared = [d for d in devices if not (d.memory_stats() if hasattr(d, "memory_stats") else None)]
+    for device in devices:
+        free = available_memory(device)
+        if free is None:
+            continue
+        if device in shared:
+            free //= len(shared)
+        if memory.arena > free:
+            raise ValueError(f"the serving arena needs {memory.arena / 2**30:.2f} GiB per device ({memory.arena_note}; "
+                             f"tp={memory.tp} x ep={memory.ep}) but {device} has {free / 2**30:.2f} GiB free: lower "
+                             f"num_pages, num_slots or max_context (or max_new_tokens), or use more devices "
+                             f"(python -m inkling_jax.parallel.planner prints the whole budget)")
+
+
 def resolve_use_pallas(config: EngineConfig) -> bool:
     if config.use_pallas == "auto":
         return jax.default_backend() == "gpu"
@@ -110,15 +141,21 @@ def resolve_use_pallas(config: EngineConfig) -> bool:
 
 
 class StepRunner:
+    """The device side of one engine.
+
+    cfg: the model's (global) config. layout: the arena layout of one device (with a plan:
+    `ArenaLayout.build(plan.local_cfg, ...)`). params: on one device, or (with a plan) in the
+    plan's sharded layout on its mesh (`parallel.serving.place_params`)."""
+
     def __init__(self, cfg: InklingConfig, params: Any, config: EngineConfig, layout: ArenaLayout, pool: UnitPool,
-                 max_context: int, extend_checkpoints: int = 1):
+                 max_context: int, extend_checkpoints: int = 1, plan: ShardPlan | None = None):
         self.cfg, self.params, self.config, self.layout = cfg, params, config, layout
+        self.plan = plan
         self.use_pallas = resolve_use_pallas(config)
         self.compile_cache_dir = enable_compile_cache(config.compile_cache_dir)
         self.ops = conv_ops(self.use_pallas, config.pallas_interpret)
         self.dtype = params["unembed"].dtype
-        self.state: ServingState = init_state(layout, pool.num_units, len(pool.slots.v2p) - 1,
-                                              len(pool.pages.v2p) - 1, self.dtype)
+        self.state: ServingState = self._zero_state(pool)
         self.tables_on_device = (np.zeros(len(pool.slots.v2p), np.int32), np.zeros(len(pool.pages.v2p), np.int32))
         top_b = pow2_ceil(config.max_running)
         self.batch_buckets = ladder(top_b, min(top_b, pow2_ceil(config.min_batch_bucket)))
@@ -130,6 +167,17 @@ class StepRunner:
         self.compiled: dict[StepShape, Any] = {}
         self._move_fns: dict[int, Any] = {}
         self.stats = dict(compiles=0, compile_seconds=0.0)
+
+    def _zero_state(self, pool: UnitPool) -> ServingState:
+        slots, pages = len(pool.slots.v2p) - 1, len(pool.pages.v2p) - 1
+        if self.plan is None:
+            return init_state(self.layout, pool.num_units, slots, pages, self.dtype)
+        return serving.init_sharded_state(self.plan, self.layout, pool.num_units, slots, pages, self.dtype)
+
+    def _device_table(self, table: np.ndarray) -> jax.Array:
+        """An id table as the step takes it (replicated over the mesh with a plan)."""
+        # device_put, not jnp.asarray: the latter compiles a staging program per table size
+        return jax.device_put(table) if self.plan is None else serving.replicated_table(self.plan.mesh, table)
 
     # ------------------------------------------------------------------ shapes
 
@@ -163,12 +211,17 @@ class StepRunner:
         fn = self.compiled.get(shape)
         if fn is None:
             key = (self.cfg, self.layout, shape, self.use_pallas, self.config.pallas_interpret,
+                   None if self.plan is None else self.plan.mesh,
                    jax.tree_util.tree_structure(self.params),
                    tuple((x.shape, str(x.dtype)) for x in jax.tree_util.tree_leaves((self.params, self.state))))
             fn = _COMPILED.get(key)
             if fn is None:
                 t0 = time.perf_counter()
-                jitted = compile_step(self.cfg, self.layout, shape, self.use_pallas, self.config.pallas_interpret)
+                if self.plan is None:
+                    jitted = compile_step(self.cfg, self.layout, shape, self.use_pallas, self.config.pallas_interpret)
+                else:
+                    jitted = serving.compile_sharded_step(self.plan, self.layout, shape, self.use_pallas,
+                                                          self.config.pallas_interpret)
                 fn = compile_lowered(jitted.lower(self.params, self.state, self.empty_batch(shape)))
                 self.stats["compile_seconds"] += time.perf_counter() - t0
                 _COMPILED[key] = fn
@@ -209,13 +262,14 @@ class StepRunner:
         with critical():
             if len(src):
                 arena = self.move_units(arena, src, dst)
-            self.state = ServingState(arena, jax.device_put(slot_table), jax.device_put(page_table))
+            self.state = ServingState(arena, self._device_table(slot_table), self._device_table(page_table))
             self.tables_on_device = (slot_table, page_table)
             pool.ack_moves()
             pool.tables_dirty = False
 
     def move_units(self, arena, src: np.ndarray, dst: np.ndarray):
-        """arena[dst] = arena[src] (unit rows, one gather then one scatter); the arena is donated."""
+        """arena[dst] = arena[src] (unit rows, one gather then one scatter); the arena is donated.
+        With a plan, every device copies the same rows of its own block."""
         n = pow2_ceil(len(src))
         pad = n - len(src)
         src = np.concatenate([src, np.zeros(pad, np.int32)])  # sink -> sink: inert
@@ -223,13 +277,22 @@ class StepRunner:
         return self._move_fn(n)(arena, src, dst)
 
     def _move_fn(self, n: int):
-        """The compiled copy of n unit rows (the arena donated); one per padded count."""
+        """The compiled copy of n (padded) unit rows for this runner's arena."""
         fn = self._move_fns.get(n)
         if fn is None:
-            rows = jax.ShapeDtypeStruct((n,), jnp.int32)
-            jitted = jax.jit(lambda a, s, d: self.ops.copy_units(a, s, d, num_units=1), donate_argnums=(0,))
-            fn = jitted.lower(jax.ShapeDtypeStruct(self.state.arena.shape, self.state.arena.dtype), rows,
-                              rows).compile()
+            arena = self.state.arena
+            key = (self.use_pallas, self.config.pallas_interpret, None if self.plan is None else self.plan.mesh,
+                   n, arena.shape, str(arena.dtype))
+            fn = _MOVES.get(key)
+            if fn is None:
+                if self.plan is None:
+                    ops = self.ops
+                    jitted = jax.jit(lambda a, s, d: ops.copy_units(a, s, d, num_units=1), donate_argnums=(0,))
+                else:
+                    jitted = serving.sharded_unit_copy(self.plan, self.ops)
+                rows = jax.ShapeDtypeStruct((n,), jnp.int32)
+                target = jax.ShapeDtypeStruct(arena.shape, arena.dtype, sharding=arena.sharding)
+                fn = _MOVES[key] = jitted.lower(target, rows, rows).compile()
             self._move_fns[n] = fn
         return fn
 
@@ -239,16 +302,21 @@ class StepRunner:
 
     def rebuild_state(self, pool: UnitPool) -> None:
         """A zero arena and the pool's tables (after a reset: nothing live holds device state)."""
-        self.state = init_state(self.layout, pool.num_units, len(pool.slots.v2p) - 1, len(pool.pages.v2p) - 1,
-                                self.dtype)
+        self.state = self._zero_state(pool)
         pool.ack_moves()
         pool.tables_dirty = True
         self.apply_pool(pool)
 
     def read_slot(self, physical_slot: int) -> dict[str, np.ndarray]:
         """A slot's fields: {"target.3.conv": [K-1, C], "target.0.ring": [ring, 2, kv_heads,
-        head_dim], "draft.1.hidden": [H], ...}."""
+        head_dim], "draft.1.hidden": [H], ...}.
+
+        With a plan the fields are assembled from every device's block into these same global
+        shapes (all kv heads, all k / v channels), so they compare with a single-device
+        engine's (`parallel.serving.read_slot_global`)."""
         lay = self.layout
+        if self.plan is not None:
+            return serving.read_slot_global(self.plan, lay, self.state.arena, physical_slot)
         phys = jnp.asarray([physical_slot], jnp.int32)
         out = {}
         for tag, blocks in (("target", lay.target), ("draft", lay.draft)):

@@ -1,6 +1,7 @@
 """Serving on a JAX device mesh: tensor parallel over heads, MLP widths and vocab, expert
 parallel over routed experts (see `plan.py` for the split, `model/layers.py` for the
-collectives, `planner.py` for memory per device)."""
+collectives, `serving.py` for the engine's state and steps on the mesh, `planner.py` for
+memory per device)."""
 
 from .axes import EP_AXIS, TP_AXIS, ParallelAxes
 from .compat import shard_map

@@ -13,7 +13,9 @@ dtype for the rest (embed / unembed, norms, rel_proj). fp8 matrices add one fp32
 
 Arena (exact): `ArenaLayout.build(local_cfg, page_size, spec_steps)` on the local config —
 units of one full layer's K/V page (the local kv heads); num_units = (num_slots + 1) * slot
-units + (num_pages + 1) * page units, as `Engine` sizes it (slot 0 and page 0 are sinks).
+units + (num_pages + 1) * page units (`ArenaLayout.arena_units`, which `Engine` sizes its arena with;
+slot 0 and page 0 are sinks). `Engine(..., mesh=)` refuses an arena that does not fit
+the devices' free memory by this count.
 
 Workspace (an estimate of the reference jnp step, documented term by term in
 `_workspace`): the largest step's residual stream, one layer's projections, the larger of
@@ -183,6 +185,12 @@ def plan_memory(cfg: InklingConfig, dtype: Any = "bfloat16", mesh: Mesh | Mappin
             f"of {lay.unit_elems * act / 1024:.0f} KiB")
     return MemoryPlan(cfg, plan.tp, plan.ep, str(jnp.dtype(dtype)), wb, pool, weights, arena, note,
                       _workspace(plan, pool, act))
+
+
+def pool_sizes(config: Any) -> PoolSizes:
+    """The PoolSizes of an `EngineConfig` (the fields that set memory)."""
+    return PoolSizes(config.num_slots, config.num_pages, config.page_size, config.spec_steps, config.max_running,
+                     config.chunk_size, config.max_step_tokens, config.max_context)
 
 
 def _weight_part(cfg: InklingConfig, path: tuple) -> str:

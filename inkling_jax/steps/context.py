@@ -43,11 +43,17 @@ class StepContext:
 
     Holds the arena being updated (functionally) while the layers are traced. With
     `deferred`, slot writes (conv windows, sliding rings) are queued and applied by
-    `commit(meta)` once the commit and checkpoint lengths are known (speculative verify)."""
+    `commit(meta)` once the commit and checkpoint lengths are known (speculative verify).
+
+    `parallel` (a `ParallelAxes`, read by `layers.py` as `ctx.parallel`): the step runs as one
+    shard of a mesh, inside `shard_map`; cfg and layout are then the plan's local ones and
+    `arena` is this device's block `[num_units, unit_elems_local]` (see
+    `inkling_jax/parallel/serving.py`). None: the single-device program."""
 
     def __init__(self, cfg: InklingConfig, layout: ArenaLayout, ops: Any, arena: Array, meta: RowMeta,
-                 physical_pages: Array, deferred: bool = False):
+                 physical_pages: Array, deferred: bool = False, parallel: Any = None):
         self.cfg, self.layout, self.ops = cfg, layout, ops
+        self.parallel = parallel
         self.arena = arena
         self.meta = meta
         self.physical_pages = physical_pages  # [B, P]

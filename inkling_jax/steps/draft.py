@@ -22,8 +22,11 @@ Params = dict[str, Any]
 
 def draft_phase(params: Params, cfg: InklingConfig, layout: ArenaLayout, ops: Any, arena: Array, batch: StepBatch,
                 target_meta: RowMeta, physical_pages: Array, h_target: Array, commit: Array, track: Array,
-                bonus: Array) -> tuple[Array, Array]:
+                bonus: Array, parallel: Any = None) -> tuple[Array, Array]:
     """Run the MTP depths after the target committed `commit` tokens per row (module docstring).
+
+    parallel: as for `run_step` (the depths' embed, input_proj and LM head use the mesh
+    collectives; their drafts are argmaxes of the gathered logits, the same on every device).
 
     Each depth works on rows laid out with a uniform stride W = Q + S per request: index i of
     depth d is row start_d + i, start_d = max(0, s - d)."""
@@ -78,8 +81,9 @@ def draft_phase(params: Params, cfg: InklingConfig, layout: ArenaLayout, ops: An
         track_slot = jnp.where(n_track > 0, physical_track_slot, 0)
         meta = RowMeta(rows=rows, seq_start=start, num_new=n_rows, physical_slot=physical_slot,
                        physical_track_slot=track_slot)
-        ctx = StepContext(cfg, layout, ops, arena, meta, physical_pages).bind(fields, layout.draft_page_layer[d])
-        z = mtp_depth_input(params, cfg, d, h_in.reshape(b * width, -1), tok.reshape(-1))
+        ctx = StepContext(cfg, layout, ops, arena, meta, physical_pages, parallel=parallel)
+        ctx.bind(fields, layout.draft_page_layer[d])
+        z = mtp_depth_input(params, cfg, d, h_in.reshape(b * width, -1), tok.reshape(-1), parallel)
         y = L.decoder_layer(params["mtp"]["layers"][d]["block"], cfg, cfg.mtp_geometry(d), True, z, ctx)
         h_out = mtp_depth_output(params, cfg, y).reshape(b, width, -1)
         arena = ctx.arena
@@ -94,7 +98,7 @@ def draft_phase(params: Params, cfg: InklingConfig, layout: ArenaLayout, ops: An
                 arena = write_slot_field(arena, layout, track_slot[:, m], fields.hidden, at(n_track[:, m]))
         # the draft: depth d's greedy prediction at row e - 1 (index n_rows - 1) is t_{e+d+1}
         last = h_out[jnp.arange(b), jnp.maximum(n_rows - 1, 0)]
-        draft = jnp.argmax(L.lm_head(params, cfg, last), axis=-1).astype(jnp.int32)
+        draft = jnp.argmax(L.lm_head(params, cfg, last, parallel), axis=-1).astype(jnp.int32)
         drafts.append(draft)
         la = jnp.where(batch.sample_next[:, None] & (idx == commit[:, None] + d), draft[:, None], la)
         h_prev = h_out

@@ -107,27 +107,36 @@ def prepare(state: ServingState, batch: StepBatch, layout: ArenaLayout, ops: Any
 
 def step_logits(params: Params, state: ServingState, batch: StepBatch, *, cfg: InklingConfig, layout: ArenaLayout,
                 shape: StepShape, use_pallas: bool = False, interpret: bool = False,
-                context_cls: type = StepContext) -> tuple[Float[Array, "b v"], ServingState]:
+                context_cls: type = StepContext, parallel: Any = None) -> tuple[Float[Array, "b v"], ServingState]:
     """The target's extend / decode step without sampling: logits (fp32) of each row's last
     new token, and the new state. Differentiable in params and state (the research / harness
     entry point). It runs the target only: a layout's draft block is left as it was.
 
     `context_cls`: the layer context (a `StepContext` subclass, e.g. one with a planted bug
-    for the harness's tests)."""
+    for the harness's tests). `parallel`: as for `run_step`."""
     ops = conv_ops(use_pallas, interpret)
     ids, arena = prepare(state, batch, layout, ops)
     meta = target_meta(batch, shape.query, ids.physical_slot, ids.physical_track_slot, batch.num_new,
                        batch.track_len)
-    ctx = context_cls(cfg, layout, ops, arena, meta, ids.physical_pages)
-    h = run_layers(params, cfg, layout, ctx, L.embed(params, cfg, batch.tokens, params["unembed"].dtype))
+    # (a subclass written before the mesh hook, with its own __init__, still works without one)
+    mesh_kw = {} if parallel is None else {"parallel": parallel}
+    ctx = context_cls(cfg, layout, ops, arena, meta, ids.physical_pages, **mesh_kw)
+    h = run_layers(params, cfg, layout, ctx, L.embed(params, cfg, batch.tokens, params["unembed"].dtype, parallel))
     last = jnp.clip(batch.query_start + batch.num_new - 1, 0, h.shape[0] - 1)
-    return L.lm_head(params, cfg, h[last]), state.replace(arena=ctx.arena)
+    return L.lm_head(params, cfg, h[last], parallel), state.replace(arena=ctx.arena)
 
 
 def run_step(params: Params, state: ServingState, batch: StepBatch, *, cfg: InklingConfig, layout: ArenaLayout,
-             shape: StepShape, use_pallas: bool = False, interpret: bool = False) -> tuple[StepOutput, ServingState]:
+             shape: StepShape, use_pallas: bool = False, interpret: bool = False,
+             parallel: Any = None) -> tuple[StepOutput, ServingState]:
     """One serving step (not jitted; `compile_step` wraps it). use_pallas picks the Pallas
-    conv-state kernels (interpret=True runs them in interpret mode, for CPU tests)."""
+    conv-state kernels (interpret=True runs them in interpret mode, for CPU tests).
+
+    parallel: None for the single-device program. A `ParallelAxes` when the step runs as one
+    shard of a mesh inside `shard_map` (`inkling_jax.parallel.serving`): params are this
+    device's shards, cfg / layout the plan's local ones, state.arena this device's block
+    [num_units, unit_elems_local]; the layers add their collectives, the LM head gathers the
+    vocab, so sampling (and the outputs) are the same on every device."""
     ops = conv_ops(use_pallas, interpret)
     ids, arena = prepare(state, batch, layout, ops)
     spec = layout.spec_steps
@@ -135,12 +144,12 @@ def run_step(params: Params, state: ServingState, batch: StepBatch, *, cfg: Inkl
     verify = shape.mode == "verify"
     meta = target_meta(batch, shape.query, ids.physical_slot, ids.physical_track_slot, batch.num_new,
                        batch.track_len)
-    ctx = StepContext(cfg, layout, ops, arena, meta, ids.physical_pages, deferred=verify)
-    h = run_layers(params, cfg, layout, ctx, L.embed(params, cfg, batch.tokens, params["unembed"].dtype))
+    ctx = StepContext(cfg, layout, ops, arena, meta, ids.physical_pages, deferred=verify, parallel=parallel)
+    h = run_layers(params, cfg, layout, ctx, L.embed(params, cfg, batch.tokens, params["unembed"].dtype, parallel))
 
     if verify:
         row_tokens = meta.rows.row_tokens
-        logits = L.lm_head(params, cfg, h[row_tokens])  # [B, S+1, V]
+        logits = L.lm_head(params, cfg, h[row_tokens], parallel)  # [B, S+1, V]
         drafts = batch.tokens[row_tokens[:, 1:]]  # [B, S]
         n_acc, bonus, bonus_logp, draft_logp = accept_drafts(logits, drafts, batch, batch.seq_start + 1)
         commit = jnp.where(batch.num_new > 0, n_acc + 1, 0)
@@ -149,7 +158,7 @@ def run_step(params: Params, state: ServingState, batch: StepBatch, *, cfg: Inkl
         ctx.commit(meta)
     else:
         last = jnp.clip(batch.query_start + batch.num_new - 1, 0, h.shape[0] - 1)
-        logits = L.lm_head(params, cfg, h[last])
+        logits = L.lm_head(params, cfg, h[last], parallel)
         bonus, bonus_logp = sample_tokens(logits, batch.temperature, batch.top_k, batch.top_p, batch.seed,
                                           batch.seq_start + batch.num_new)
         n_acc = jnp.zeros(b, jnp.int32)
@@ -160,7 +169,7 @@ def run_step(params: Params, state: ServingState, batch: StepBatch, *, cfg: Inkl
     new_drafts = jnp.zeros((b, spec), jnp.int32)
     if spec:
         arena, new_drafts = draft_phase(params, cfg, layout, ops, arena, batch, meta, ids.physical_pages, h,
-                                        commit, track, bonus)
+                                        commit, track, bonus, parallel)
     out = StepOutput(bonus, bonus_logp, n_acc, draft_logp, new_drafts)
     return out, state.replace(arena=arena)
 
