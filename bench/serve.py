@@ -1,7 +1,7 @@
 """The engine as a user sees it: `Engine.generate` (host loop included), timed end to end and
 per phase, on a GPU. One run, sections chosen with --sections:
 
-    python bench/serve.py [--sections prefix,decode,spec,fidelity,mesh] [--out FILE]
+    python bench/serve.py [--sections prefix,decode,spec,fidelity,mesh,startup,flags] [--out FILE]
     python bench/serve.py --smoke      # tiny sizes on CPU: checks the script, measures nothing
 
 * prefix: the shared-system-prompt workload of issue 14 on the bench model (bf16, random
@@ -9,26 +9,45 @@ per phase, on a GPU. One run, sections chosen with --sections:
   tokens each. The first request runs alone, then the other 31 together; the same with the
   prefix cache off. Cache-hit tokens (against the shared tokens that lie on checkpoint
   boundaries), time to first token (hit vs miss), end-to-end tokens/s.
-* decode: batch 1, 8, 32 of `--prompt-len`-token prompts and 128 new tokens (cache off):
-  prefill tokens/s and decode ms/step measured in the engine loop (submit -> every first
-  token; then -> the last token, over the decode steps), against the HBM roofline of a decode
-  step at that context (bytes that must move / measured copy bandwidth; bench/decode_runs.py).
+* decode: batch 1, 8, 32 (`--decode-batches`) of `--prompt-len`-token prompts and 128 new
+  tokens (cache off), for each K of `--decode-steps` (EngineConfig.decode_steps: K decode
+  steps per dispatch; only K=1 on an engine without the field): prefill tokens/s and decode
+  ms/step measured in the engine loop (submit -> every first token; then -> the last token).
+  ms/step is per generated token step (decode wall time / the tokens a row generated after
+  its first), so K=1 and K>1 compare; the dispatches are counted apart. Against the HBM
+  roofline of a decode step at that context (bytes that must move / measured copy
+  bandwidth; bench/decode_runs.py).
 * spec: the shipped trained model (`inkling_jax/models/shakespeare`): mean accept length
   (bonus included) and acceptance per depth for spec_steps 1..3, tokens/s with and without
   speculation at batch 1 and 8, on Shakespeare-like prompts (greedy).
 * fidelity: the trained model's bf16 greedy tokens (ours, batch 1 and 8; HF transformers'
   bf16 at batch 1 and 8) scored teacher-forced against HF's fp32 forward: the fraction of
   tokens that are the fp32 model's argmax, and the median |log p difference|.
-* mesh: the bench model's decode ms/step through an engine on a one-device mesh against one
-  without a mesh (issue 18: no slower).
+* mesh: the bench model's decode ms/step through an engine on a one-device mesh against the
+  decode section's K=1 figure without a mesh (issue 18: no slower).
+* startup: fresh processes, nothing warm (bench/serve_fresh.py): `import inkling_jax`;
+  `init_params` of the bench model (no MTP) in bf16 to `block_until_ready` (target <= 10 s);
+  import -> params -> `Engine` (the batch-1 decode config, prefix cache off) -> the first
+  `generate` of one `--prompt-len` prompt with 16 new tokens (target <= 20 s), once with the
+  engine's persistent compile cache (`EngineConfig.compile_cache_dir`) in an empty temporary
+  directory (cold) and once more in a new process on that filled directory (warm). --cache-dir
+  does not reach these children.
+* flags: the decode section at batch 1 and 32 again, a fresh process per XLA_FLAGS variant
+  (`--flag-variants`, ";"-separated, each appended to the inherited XLA_FLAGS; default: none,
+  and XLA's command buffers (CUDA graphs) for every command type at any graph size), every K
+  of `--decode-steps`, against the first variant. A variant whose process fails (an unknown
+  flag) shows its error line in the table.
 
 Compile seconds are reported apart (the engine's own compile counter and seconds); a
 persistent compilation cache (--cache-dir, default .jax_cache) makes repeated runs start fast.
+The engine-loop helpers live in bench/serve_loop.py, the fresh-process sections in
+bench/serve_fresh.py.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -43,10 +62,13 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from common import Report, copy_bandwidth, device_params, log, table  # noqa: E402
 from decode_runs import decode_bytes  # noqa: E402
+from serve_fresh import section_flags, section_startup, startup_child  # noqa: E402
+from serve_loop import (bench_config, decode_ms_per_token, parse_decode_steps, phases, run, tiny_config,  # noqa: E402
+                        warm)
 
 import inkling_jax as ik  # noqa: E402
 
-SECTIONS = ("prefix", "decode", "spec", "fidelity", "mesh")
+SECTIONS = ("prefix", "decode", "spec", "fidelity", "mesh", "startup", "flags")
 PROSE = ["To be, or not to be, that is the question:", "ROMEO. But soft, what light through yonder window",
          "Now is the winter of our discontent", "HAMLET. O, that this too too solid flesh would melt,",
          "All the world's a stage, and all the men and women", "KING LEAR. Blow, winds, and crack your cheeks!",
@@ -64,71 +86,18 @@ def parse_args(argv=None):
     p.add_argument("--requests", type=int, default=32)
     p.add_argument("--cache-dir", default=os.path.join(_REPO, ".jax_cache"))
     p.add_argument("--model", default="", help="trained model directory (default: the shipped one)")
-    p.add_argument("--decode-batches", default="1,8,32", help="batch sizes of the decode section")
+    p.add_argument("--decode-batches", default=None, help="batch sizes of the decode section (default 1,8,32; "
+                   "smoke: 1,2)")
+    p.add_argument("--decode-steps", default="1", help="K decode steps per dispatch (EngineConfig.decode_steps) of "
+                   "the decode and flags sections, a comma list")
+    p.add_argument("--flag-variants", default=None, help="XLA_FLAGS variants of the flags section, ';'-separated "
+                   "(default: none, and command buffers for everything; smoke: none, and a CPU flag)")
+    p.add_argument("--startup-child", default="", metavar="DIR", help=argparse.SUPPRESS)  # serve_fresh's child
+    p.add_argument("--child-out", default="", metavar="FILE", help=argparse.SUPPRESS)  # a child's JSON results
     return p.parse_args(argv)
 
 
-# ------------------------------------------------------------------------------- running
-
-
-class Timeline:
-    """Per-request wall times, read off the engine's records after the run."""
-
-    def __init__(self, requests, t0: float, t_end: float):
-        self.ttft = [r.first_token_at - r.submitted for r in requests]
-        self.wall = t_end - t0
-        self.tokens = sum(len(r.out_tokens) for r in requests)
-        self.cached = [r.cached for r in requests]
-        self.outputs = [list(r.out_tokens) for r in requests]
-
-
-def run(engine: ik.Engine, prompts: list[list[int]], sp: ik.SamplingParams) -> Timeline:
-    """generate() with the timeline kept (submit + step until done is what generate does)."""
-    t0 = time.perf_counter()
-    reqs = engine.submit(prompts, sp)
-    while any(r.finish_reason is None for r in reqs):
-        engine.step()
-    return Timeline(reqs, t0, time.perf_counter())
-
-
-def phases(engine: ik.Engine, prompts: list[list[int]], sp: ik.SamplingParams) -> dict:
-    """Prefill (submit -> every request has its first token) and decode (-> the end) times,
-    with the steps of each, in the engine loop."""
-    steps0 = engine.stats()["steps"]
-    t0 = time.perf_counter()
-    reqs = engine.submit(prompts, sp)
-    while not all(r.out_tokens for r in reqs):
-        engine.step()
-    t1, steps1 = time.perf_counter(), engine.stats()["steps"]
-    while any(r.finish_reason is None for r in reqs):
-        engine.step()
-    t2, steps2 = time.perf_counter(), engine.stats()["steps"]
-    return dict(prefill_s=t1 - t0, prefill_steps=steps1 - steps0, decode_s=t2 - t1, decode_steps=steps2 - steps1,
-                tokens=sum(len(r.out_tokens) for r in reqs), reqs=reqs)
-
-
-def warm(engine: ik.Engine, prompts: list[list[int]], sp: ik.SamplingParams) -> float:
-    """One untimed run over the same shapes (compiles); its seconds."""
-    t0 = time.perf_counter()
-    engine.generate(prompts, sp)
-    engine.evict_all()
-    return time.perf_counter() - t0
-
-
 # ------------------------------------------------------------------------------ sections
-
-
-def bench_config(args, running: int, prefix: bool) -> ik.EngineConfig:
-    """One bucket per dimension for the bench model: few compiles."""
-    page = 16 if args.smoke else 64
-    interval = 4 * page
-    ctx = 1 << (args.prompt_len + args.new + 8).bit_length()
-    chunk = 1024 if not args.smoke else 64
-    step_tokens = max(chunk, min(4096, running * chunk)) if not args.smoke else 128
-    return ik.EngineConfig(
-        max_running=running, num_slots=3 * running + 64, num_pages=(running + 8) * (ctx // page), page_size=page,
-        track_interval=interval, chunk_size=chunk, max_step_tokens=step_tokens, max_context=ctx,
-        min_context_bucket=ctx, min_token_bucket=step_tokens, min_batch_bucket=running, prefix_cache=prefix)
 
 
 def section_prefix(args, cfg, params, report: Report) -> None:
@@ -163,26 +132,32 @@ def section_prefix(args, cfg, params, report: Report) -> None:
 
 
 def section_decode(args, cfg, params, report: Report, bandwidth: float) -> dict:
+    """Prefill and decode in the engine loop per batch size and K; {(B, K): decode ms/step}."""
     rng = np.random.RandomState(1)
     v = cfg.unpadded_vocab_size
     sp = ik.SamplingParams(max_new_tokens=args.new, stop_at_eos=False)
     rows, per_batch = [], {}
-    for b in ((1, 2) if args.smoke else [int(x) for x in args.decode_batches.split(",")]):
-        engine = ik.Engine(cfg, params, bench_config(args, b, prefix=False))
+    for b in [int(x) for x in args.decode_batches.split(",")]:
         prompts = [list(rng.randint(3, v, args.prompt_len)) for _ in range(b)]
-        warm(engine, prompts, ik.SamplingParams(max_new_tokens=4, stop_at_eos=False))
-        ph = phases(engine, prompts, sp)
-        ms = 1e3 * ph["decode_s"] / max(ph["decode_steps"], 1)
         ctx = args.prompt_len + args.new // 2
         roof_ms = 1e3 * decode_bytes(cfg, params, b, ctx)["total"] / bandwidth
-        per_batch[b] = ms
-        rows.append([b, f"{b * args.prompt_len / ph['prefill_s']:.0f}", ph["prefill_steps"], f"{ms:.2f}",
-                     f"{b * 1e3 / ms:.0f}", f"{roof_ms:.3f}", f"{100 * roof_ms / ms:.0f} %",
-                     engine.stats()["compiles"]])
-        log(f"decode B={b}: {rows[-1]}")
+        for k in args.decode_steps_list:
+            engine = ik.Engine(cfg, params, bench_config(args, b, prefix=False, decode_steps=k))
+            # long enough for a dispatch of K steps
+            warm(engine, prompts, ik.SamplingParams(max_new_tokens=max(4, 2 * k + 2), stop_at_eos=False))
+            ph = phases(engine, prompts, sp)
+            ms = decode_ms_per_token(ph)
+            per_batch[(b, k)] = ms
+            rows.append([b, k, f"{b * args.prompt_len / ph['prefill_s']:.0f}", ph["prefill_steps"], f"{ms:.3f}",
+                         f"{b * 1e3 / ms:.0f}", f"{ph['decode_dispatches']} / {ph['decode_tokens']}",
+                         f"{roof_ms:.3f}", f"{100 * roof_ms / ms:.0f} %", engine.stats()["compiles"]])
+            log(f"decode B={b} K={k}: {rows[-1]}")
     report.add(f"### Engine loop: prefill and decode ({args.prompt_len}-token prompts, {args.new} new, bf16)\n\n"
-               + table(["B", "prefill tok/s", "prefill steps", "decode ms/step", "decode tok/s", "roofline ms",
-                        "% of roofline", "compiles"], rows), "decode")
+               + table(["B", "K", "prefill tok/s", "prefill steps", "decode ms/step", "decode tok/s",
+                        "dispatches / token steps", "roofline ms", "% of roofline", "compiles"], rows)
+               + "\n\nK: decode steps per dispatch (EngineConfig.decode_steps). ms/step: decode wall time / the "
+               "tokens a row generated after its first token (per token step, whatever K), against the roofline of "
+               "one decode step.", "decode")
     return per_batch
 
 
@@ -191,13 +166,6 @@ def trained_model(args):
 
     path = args.model or model_dir("shakespeare")
     return path, *ik.load_pretrained(path, dtype=jnp.bfloat16)
-
-
-def tiny_config(running: int, spec: int, prefix: bool = False) -> ik.EngineConfig:
-    return ik.EngineConfig(max_running=running, num_slots=3 * running + 16, num_pages=running * 32 + 64,
-                           page_size=16, track_interval=64, chunk_size=64, max_step_tokens=max(64, running * 8),
-                           max_context=512, min_context_bucket=512, min_batch_bucket=running, spec_steps=spec,
-                           prefix_cache=prefix)
 
 
 def section_spec(args, report: Report) -> None:
@@ -281,11 +249,11 @@ def section_mesh(args, cfg, params, report: Report, no_mesh: dict) -> None:
         engine = ik.Engine(cfg, params, bench_config(args, b, prefix=False), mesh=ik.make_mesh(tp=1, ep=1))
         warm(engine, prompts, ik.SamplingParams(max_new_tokens=4, stop_at_eos=False))
         ph = phases(engine, prompts, sp)
-        ms = 1e3 * ph["decode_s"] / max(ph["decode_steps"], 1)
-        ref = no_mesh.get(b)
+        ms = decode_ms_per_token(ph)
+        ref = no_mesh.get((b, 1))
         rows.append([b, f"{ms:.2f}", f"{ref:.2f}" if ref else "-", f"{ms / ref:.3f}" if ref else "-"])
         log(f"mesh B={b}: {rows[-1]}")
-    report.add("### One-device mesh against no mesh (decode ms/step in the engine loop)\n\n"
+    report.add("### One-device mesh against no mesh (decode ms/step in the engine loop, K=1)\n\n"
                + table(["B", "mesh (1, 1)", "no mesh", "ratio"], rows), "mesh")
 
 
@@ -295,10 +263,14 @@ def main(argv=None) -> int:
     bad = set(sections) - set(SECTIONS)
     if bad:
         raise SystemExit(f"unknown sections {sorted(bad)}; choose from {SECTIONS}")
+    args.decode_steps_list = parse_decode_steps(args.decode_steps)
+    args.decode_batches = args.decode_batches or ("1,2" if args.smoke else "1,8,32")
     if args.smoke:
         jax.config.update("jax_platforms", "cpu")
         args.prompt_len, args.shared, args.new, args.requests = 96, 80, 8, 4
-    elif args.cache_dir:
+    if args.startup_child:  # a fresh process of the startup section: no cache but the engine's own
+        return startup_child(args)
+    if args.cache_dir and not args.smoke:
         jax.config.update("jax_compilation_cache_dir", args.cache_dir)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     report = Report(args.out)
@@ -327,6 +299,13 @@ def main(argv=None) -> int:
         section_fidelity(args, report)
     if "mesh" in sections:
         section_mesh(args, cfg, params, report, decode_ms)
+    if "startup" in sections:
+        section_startup(args, report)
+    if "flags" in sections:
+        section_flags(args, report)
+    if args.child_out:  # a child of the flags section
+        with open(args.child_out, "w") as f:
+            json.dump({"decode": {f"{b},{k}": ms for (b, k), ms in decode_ms.items()}}, f)
     return 0
 
 

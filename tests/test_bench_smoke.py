@@ -1,7 +1,8 @@
 """The GPU bench scripts (bench/) import against the library as it is, and their host-side
 parts (sizes, request rows, packed batches, kernel inputs, the roofline's byte count) are
-right for the tiny config. Nothing is compiled here; `python bench/<script> --smoke` runs a
-script end to end on a CPU."""
+right for the tiny config. Nothing is compiled here but in bench/serve.py's fresh-process
+sections (`--smoke`, one subprocess); `python bench/<script> --smoke` runs a script end to end
+on a CPU."""
 
 from __future__ import annotations
 
@@ -18,8 +19,8 @@ from inkling_jax.steps import check_batch, pack_batch
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench"
-SCRIPTS = ("decode", "kernels", "profile_decode", "gpu_check", "moe_micro")
-HELPERS = ("common", "decode_setup", "decode_runs", "kernel_timing", "kernel_cases")
+SCRIPTS = ("decode", "kernels", "profile_decode", "gpu_check", "moe_micro", "serve")
+HELPERS = ("common", "decode_setup", "decode_runs", "kernel_timing", "kernel_cases", "serve_loop", "serve_fresh")
 
 
 @pytest.fixture(scope="module")
@@ -97,3 +98,48 @@ def test_kernel_rows_are_packed_as_the_steps_pack_them(bench):
         used = np.concatenate([active[active > 0], np.asarray(kr.track_dest)[np.asarray(kr.track_dest) > 0]])
         assert len(np.unique(used)) == len(used)  # active and checkpoint slots pairwise distinct
         assert (np.asarray(rows.commit_len) <= q).all() and (np.asarray(rows.track_len) <= q).all()
+
+
+def test_serve_decode_steps_option(bench):
+    L = bench["serve_loop"]
+    assert L.parse_decode_steps("1") == [1]
+    for bad in ("0", "1,x", ""):
+        with pytest.raises(SystemExit):
+            L.parse_decode_steps(bad)
+    if L.has_decode_steps():
+        assert L.parse_decode_steps("1,4,8") == [1, 4, 8]
+    else:  # an engine without EngineConfig.decode_steps decodes one token per dispatch
+        with pytest.raises(SystemExit, match="K must be 1"):
+            L.parse_decode_steps("1,4")
+
+
+def test_serve_child_error_line(bench):
+    F = bench["serve_fresh"]
+    glog = "some log\nF1204 05:39:24.552522    4333 parse_flags_from_env.cc:234] Unknown flag in XLA_FLAGS: --x=1\n"
+    assert F.error_line(glog, 1) == "Unknown flag in XLA_FLAGS: --x=1"
+    trace = "Traceback (most recent call last):\n  File ...\nValueError: a | b\n"
+    assert F.error_line(trace, 1) == "ValueError: a / b"
+    assert F.error_line("", 3) == "exit status 3"
+
+
+def test_serve_fresh_process_sections(tmp_path):
+    """bench/serve.py --smoke's startup section (import; init_params, Engine and the first
+    generate with an empty, then the filled compile cache, each in a fresh process) and flags
+    section (a working and an unknown XLA flag: the failure is a table cell, the run goes on)."""
+    out = tmp_path / "serve.md"
+    env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+    proc = subprocess.run([sys.executable, str(BENCH / "serve.py"), "--smoke", "--sections", "startup,flags",
+                           "--flag-variants", ";--xla_no_such_flag=1", "--out", str(out)],
+                          capture_output=True, text=True, timeout=600, env=dict(env, JAX_PLATFORMS="cpu"))
+    assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-3000:]
+    text = out.read_text()
+    lines = text.splitlines()
+    cold = next(line for line in lines if "cold compile cache (0 entries)" in line)
+    warm = next(line for line in lines if "warm compile cache" in line)
+    for row in (cold, warm):
+        assert float(row.split("|")[2]) > 0 and row.split("|")[4].strip() in ("yes", "no")
+    assert any(line.startswith("| init_params, tiny model") for line in lines)
+    base = next(line for line in lines if line.startswith("| (inherited only) | 1 | 1 |"))
+    assert float(base.split("|")[4]) > 0 and base.split("|")[5].strip() == "1.000"
+    bad = next(line for line in lines if line.startswith("| `--xla_no_such_flag=1` | 1 | 1 |"))
+    assert "failed: Unknown flag in XLA_FLAGS" in bad
