@@ -1,8 +1,8 @@
 """inkling-generate: continuous-batching generation with the serving engine, and its statistics.
 
     inkling-generate [--model shakespeare|tiny|small|bench|PATH] [--prompt TEXT ... | --prompts-file F]
-                     [--max-new-tokens N] [--temperature T] [--spec-steps K] [--no-prefix-cache]
-                     [--lazy] [--pool unified|static] [--max-running N] [--seed S] [--dtype D]
+                     [--max-new-tokens N] [--temperature T] [--spec-steps K] [--decode-steps K]
+                     [--no-prefix-cache] [--lazy] [--pool unified|static] [--max-running N] [--seed S] [--dtype D]
                      [--tp N] [--ep N]
                      [--coordinator HOST:PORT --num-processes N --process-id I]
 
@@ -182,6 +182,7 @@ def engine_config(args: argparse.Namespace, prompt_lens: list[int]):
         max_running=running, num_slots=num_slots, num_pages=num_pages, page_size=page_size,
         pool=args.pool, prefix_cache=not args.no_prefix_cache, track_interval=interval,
         ping_pong="lazy" if args.lazy else "eager", spec_steps=args.spec_steps,
+        **({} if args.decode_steps is None else {"decode_steps": args.decode_steps}),
         chunk_size=min(chunk, step_tokens), max_step_tokens=step_tokens, max_context=context,
         min_context_bucket=context, min_token_bucket=step_tokens, min_batch_bucket=running)
 
@@ -282,6 +283,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0, help="sampling seed")
     ap.add_argument("--spec-steps", type=int, default=0, help="MTP draft tokens per round (0 = off)")
+    ap.add_argument("--decode-steps", type=int, default=None,
+                    help="decode steps per dispatch, a device loop (default: EngineConfig's)")
     ap.add_argument("--no-prefix-cache", action="store_true")
     ap.add_argument("--lazy", action="store_true", help="lazy ping-pong checkpoints and lazy compaction")
     ap.add_argument("--pool", choices=("unified", "static"), default="unified")
@@ -386,7 +389,7 @@ def _main(args: argparse.Namespace) -> int:
     say(f"engine: {econf.pool} pool, prefix cache {'on' if econf.prefix_cache else 'off'}, "
         f"{econf.ping_pong} ping-pong, max_running {econf.max_running}, page_size {econf.page_size}, "
         f"track_interval {econf.track_interval}, context {econf.max_context}, "
-        f"{'pallas' if engine.runner.use_pallas else 'jnp'} kernels")
+        f"{econf.decode_steps} decode step(s) per dispatch, {'pallas' if engine.runner.use_pallas else 'jnp'} kernels")
     warmup_s = 0.0
     if not args.no_warmup:
         t1 = time.perf_counter()

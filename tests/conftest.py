@@ -3,6 +3,7 @@ transformers oracle built from them."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -136,3 +137,19 @@ def has_cuda_device() -> bool:
         return bool(jax.devices("cuda"))
     except RuntimeError:
         return False
+
+
+@contextlib.contextmanager
+def count_xla_compiles():
+    """Counts XLA backend compiles (every jit, eager op or AOT compile) inside the block."""
+    count = [0]
+
+    def listener(event, duration, **kw):
+        if event == "/jax/core/compile/backend_compile_duration":
+            count[0] += 1
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield count
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)

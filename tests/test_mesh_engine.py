@@ -11,7 +11,6 @@ with 8 devices they run directly. The rest run here, on a mesh of the one device
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 import os
@@ -28,7 +27,7 @@ import inkling_jax as ik
 from inkling_jax.engine import runner as runner_mod
 from inkling_jax.parallel.planner import plan_memory
 
-from conftest import ENGINE_KW, reference_logprobs
+from conftest import ENGINE_KW, count_xla_compiles, reference_logprobs
 
 MESH_DEVICES = 8
 on_mesh = pytest.mark.skipif(len(jax.devices()) < MESH_DEVICES,
@@ -77,22 +76,6 @@ def _assert_same_completions(got, want, atol=1e-5):
         # psums add the shards' partial sums in another order than one device's matmul
         np.testing.assert_allclose(g.logprobs, w.logprobs, rtol=0, atol=atol)
     assert [c.cached_tokens for c in got] == [c.cached_tokens for c in want]
-
-
-@contextlib.contextmanager
-def count_xla_compiles():
-    """Counts XLA backend compiles (every jit, eager op or AOT compile) inside the block."""
-    count = [0]
-
-    def listener(event, duration, **kw):
-        if event == "/jax/core/compile/backend_compile_duration":
-            count[0] += 1
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
-        yield count
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
 
 
 def test_mesh_engine_cases_on_8_host_devices():
@@ -318,9 +301,9 @@ def test_on_mesh_no_compile_after_warmup():
     """After warmup() nothing compiles (XLA backend compiles counted, not only the engine's
     step counter) over runs of varying batch sizes and lengths with prefix hits, lazy
     ping-pong, explicit compaction and a reset; the outputs equal the reference forward's
-    greedy (plain decode steps on the mesh)."""
+    greedy (plain decode steps on the mesh, three per dispatch)."""
     with count_xla_compiles() as warmup_compiles:
-        engine = _engine(ik.make_mesh(tp=2, ep=4), ping_pong="lazy", warmup=True)
+        engine = _engine(ik.make_mesh(tp=2, ep=4), ping_pong="lazy", warmup=True, decode_steps=3)
     assert warmup_compiles[0] > 0  # the counter sees compiles (the state, the moves, maybe the steps)
     steps_compiled = engine.stats()["compiles"]
     rng = np.random.RandomState(5)

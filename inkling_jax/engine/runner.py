@@ -186,7 +186,7 @@ class StepRunner:
         b = next(x for x in self.batch_buckets if x >= rows)
         p = next(x for x in self.page_buckets if x >= pages)
         if mode == "decode":
-            return StepShape("decode", b, b, 1, p)
+            return StepShape("decode", b, b, 1, p, steps=self.config.decode_steps)
         if mode == "verify":
             q = self.config.spec_steps + 1
             return StepShape("verify", b, b * q, q, p)

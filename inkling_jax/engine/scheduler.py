@@ -6,7 +6,9 @@
 
 Modes: `extend` while any running request has more than one pending token (prefill chunks;
 decoding rows ride along with one token), else `verify` with speculative decoding, else
-`decode`. With speculative decoding a decoding row never rides in an extend step: prefill
+`decode` (up to `EngineConfig.decode_steps` steps per dispatch, a device loop: a row runs
+until its budget of new tokens, a stop token or the dispatch's last step; requests that
+arrive meanwhile wait for the dispatch to end). With speculative decoding a decoding row never rides in an extend step: prefill
 and verify steps alternate, so a sampled request draws the same tokens alone and batched
 (a verify round and a plain sample draw differently). A request's pending tokens are the
 ones not yet in the state: its prompt's rest, or the last sampled token.
@@ -37,9 +39,9 @@ DraftSource = Callable[[Request], list[int]]  # the drafts a verify step checks 
 class HostOutputs:
     """A step's outputs on the host (numpy)."""
 
-    tokens: np.ndarray  # [B]
-    logprobs: np.ndarray  # [B]
-    num_accepted: np.ndarray  # [B]
+    tokens: np.ndarray  # [B] (a K-step decode: [B, K])
+    logprobs: np.ndarray  # [B] (a K-step decode: [B, K])
+    num_accepted: np.ndarray  # [B] (verify: drafts accepted; K-step decode: steps run)
     accepted_logprobs: np.ndarray  # [B, S]
     drafts: np.ndarray  # [B, S]
 
@@ -90,6 +92,8 @@ class Scheduler:
         for r in running:
             if mode == "verify":
                 n = spec + 1
+            elif mode == "decode":  # the steps the row may run in this dispatch (its one token first)
+                n = min(cfg.decode_steps, r.sampling.max_new_tokens - len(r.out_tokens))
             else:
                 n = max(min(r.pending, cfg.chunk_size, budget - (len(running) - len(new_tokens) - 1)), 1)
             n, cks = self.checkpoints.plan(r, n)  # may cut the chunk at a checkpoint
@@ -130,6 +134,8 @@ class Scheduler:
             row.tokens = r.tokens[held.committed:end]
             row.lookahead = r.tokens[end:end + spec + 1]
             row.sample_next = end == len(r.tokens)
+            if mode == "decode":  # one pending token; n = the steps it may run
+                row.num_steps, row.sample_next = n, True
         return row
 
     # -------------------------------------------------------------------- commit
@@ -144,6 +150,13 @@ class Scheduler:
             if plan.mode == "verify":
                 self._commit_verify(r, plan.rows[i], out, i, now)
                 self.checkpoints.after(r, cks)
+                continue
+            if out.tokens.ndim == 2:  # a K-step decode: the row ran num_accepted steps
+                ran = int(out.num_accepted[i])
+                r.held.committed += ran
+                self.checkpoints.after(r, cks)
+                for j in range(ran):
+                    self.emit(r, int(out.tokens[i, j]), float(out.logprobs[i, j]), now)
                 continue
             r.held.committed += n
             self.checkpoints.after(r, cks)

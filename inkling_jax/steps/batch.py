@@ -33,6 +33,7 @@ class StepShape:
     query: int  # Q: max new tokens of one row (verify: spec_steps + 1)
     pages: int  # P: page-table columns (context up to P * page_size tokens)
     tracks: int = 1  # M: checkpoints one row may write in the step (boundaries inside its chunk)
+    steps: int = 1  # K: decode steps one dispatch runs (a loop on the device; `decode_loop.py`)
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -43,6 +44,8 @@ class StepShape:
             raise ValueError("verify steps have spec_steps + 1 tokens per row")
         if self.tracks < 1:
             raise ValueError("a step has at least one checkpoint column")
+        if self.steps < 1 or (self.steps > 1 and self.mode != "decode"):
+            raise ValueError("only decode dispatches run several steps (steps >= 1)")
 
 
 @jax.tree_util.register_dataclass
@@ -73,7 +76,8 @@ class StepBatch:
     lookahead: Int[Array, "b la"]  # known tokens after the row's new ones (t_e, t_e+1, ...), spec only
     sample_next: Bool[Array, "b"]  # t_e is this step's sample (else lookahead[0]); spec only
     max_accept: Int[Array, "b"]  # verify: accept at most this many drafts
-    stop_ids: Int[Array, "b ns"]  # verify: tokens that end the row's generation (-1: none)
+    stop_ids: Int[Array, "b ns"]  # verify, multi-step decode: tokens that end the row's generation (-1: none)
+    num_steps: Int[Array, "b"]  # multi-step decode: steps the row runs at most (1 elsewhere; 0: padded row)
 
     @staticmethod
     def empty(shape: StepShape, spec_steps: int = 0, max_stop_ids: int = DEFAULT_MAX_STOP_IDS) -> "StepBatch":
@@ -88,7 +92,7 @@ class StepBatch:
                          virtual_cow_slot=i32(b), temperature=np.zeros(b, np.float32), top_k=i32(b),
                          top_p=np.ones(b, np.float32), seed=i32(b), lookahead=i32(b, spec_steps + 1),
                          sample_next=np.zeros(b, bool), max_accept=i32(b),
-                         stop_ids=np.full((b, max_stop_ids), -1, np.int32))
+                         stop_ids=np.full((b, max_stop_ids), -1, np.int32), num_steps=i32(b))
 
 
 def check_batch(batch: StepBatch, shape: StepShape, spec_steps: int = 0,
@@ -126,7 +130,8 @@ class RowPlan:
     lookahead: Sequence[int] = ()  # spec: known tokens after the new ones
     sample_next: bool = True  # spec: the token after the new ones is this step's sample
     max_accept: int = 0  # verify: most drafts to accept
-    stop_ids: Sequence[int] = field(default_factory=tuple)  # verify: tokens that end the generation
+    stop_ids: Sequence[int] = field(default_factory=tuple)  # verify, multi-step decode: tokens that end the generation
+    num_steps: int = 1  # multi-step decode: steps the row runs at most (its one token is the first step's)
 
 
 def pack_batch(shape: StepShape, rows: Sequence[RowPlan], spec_steps: int = 0,
@@ -152,6 +157,8 @@ def pack_batch(shape: StepShape, rows: Sequence[RowPlan], spec_steps: int = 0,
             raise ValueError(f"row {i} has {len(r.stop_ids)} stop ids; the step holds {max_stop_ids}")
         if len(r.virtual_track_slots) != len(r.track_lens) or len(r.track_lens) > shape.tracks:
             raise ValueError(f"row {i} has {len(r.track_lens)} checkpoints; the step holds {shape.tracks} per row")
+        if not 1 <= r.num_steps <= shape.steps:
+            raise ValueError(f"row {i} runs {r.num_steps} steps; the dispatch runs 1 to {shape.steps}")
         if len(r.lookahead) > spec_steps + 1:
             raise ValueError(f"row {i} has {len(r.lookahead)} lookahead tokens; the step holds {spec_steps + 1}")
         b.tokens[pos:pos + n] = r.tokens
@@ -174,5 +181,6 @@ def pack_batch(shape: StepShape, rows: Sequence[RowPlan], spec_steps: int = 0,
         b.sample_next[i] = r.sample_next
         b.max_accept[i] = r.max_accept
         b.stop_ids[i, :len(r.stop_ids)] = r.stop_ids
+        b.num_steps[i] = r.num_steps
         pos += n
     return b

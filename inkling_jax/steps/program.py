@@ -31,6 +31,7 @@ row e - 1 is the draft for t_{e+d+1}.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -47,6 +48,7 @@ from ..config import InklingConfig
 from ..model import layers as L
 from .batch import StepBatch, StepShape
 from .context import RowMeta, StepContext
+from .decode_loop import decode_loop
 from .draft import draft_phase
 from .sampling import accept_drafts, sample_tokens
 
@@ -56,9 +58,11 @@ Params = dict[str, Any]
 @jax.tree_util.register_dataclass
 @dataclass
 class StepOutput:
-    tokens: Int[Array, "b"]  # sampled next token of each row (verify: the bonus after the accepted drafts)
-    logprobs: Float[Array, "b"]  # log p(token) under the model (temperature 1, no truncation)
-    num_accepted: Int[Array, "b"]  # verify: drafts accepted (they precede `tokens`); else 0
+    tokens: Int[Array, "b"]  # sampled next token of each row (verify: the bonus after the accepted drafts;
+    #                          a K-step decode: [B, K], one column per step)
+    logprobs: Float[Array, "b"]  # log p(token) under the model (temperature 1, no truncation); [B, K] likewise
+    num_accepted: Int[Array, "b"]  # verify: drafts accepted (they precede `tokens`); K-step decode: steps
+    #                                the row ran (its valid columns); else 0
     accepted_logprobs: Float[Array, "b s"]  # verify: log p of each draft (valid for the accepted ones)
     drafts: Int[Array, "b s"]  # spec: the next round's draft tokens (valid when sample_next)
 
@@ -132,11 +136,28 @@ def run_step(params: Params, state: ServingState, batch: StepBatch, *, cfg: Inkl
     """One serving step (not jitted; `compile_step` wraps it). use_pallas picks the Pallas
     conv-state kernels (interpret=True runs them in interpret mode, for CPU tests).
 
+    A decode shape with steps = K > 1 runs K decode steps in a device loop
+    (`decode_loop.py`): tokens and logprobs are then [B, K] and num_accepted counts the
+    steps each row ran.
+
     parallel: None for the single-device program. A `ParallelAxes` when the step runs as one
     shard of a mesh inside `shard_map` (`inkling_jax.parallel.serving`): params are this
     device's shards, cfg / layout the plan's local ones, state.arena this device's block
     [num_units, unit_elems_local]; the layers add their collectives, the LM head gathers the
     vocab, so sampling (and the outputs) are the same on every device."""
+    kw = dict(cfg=cfg, layout=layout, use_pallas=use_pallas, interpret=interpret, parallel=parallel)
+    if shape.steps == 1:
+        return single_step(params, state, batch, shape=shape, **kw)
+    one = dataclasses.replace(shape, steps=1)
+    tokens, logprobs, ran, drafts, state = decode_loop(
+        lambda st, bt: single_step(params, st, bt, shape=one, **kw), state, batch, shape.steps, shape.query)
+    return StepOutput(tokens, logprobs, ran, jnp.zeros(drafts.shape, jnp.float32), drafts), state
+
+
+def single_step(params: Params, state: ServingState, batch: StepBatch, *, cfg: InklingConfig, layout: ArenaLayout,
+                shape: StepShape, use_pallas: bool = False, interpret: bool = False,
+                parallel: Any = None) -> tuple[StepOutput, ServingState]:
+    """One model step of any mode (`run_step` without the decode loop)."""
     ops = conv_ops(use_pallas, interpret)
     ids, arena = prepare(state, batch, layout, ops)
     spec = layout.spec_steps

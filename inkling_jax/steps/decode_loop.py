@@ -1,0 +1,69 @@
+"""Several decode steps in one dispatch: a loop on the device over the single decode step.
+
+The host hands over K = `StepShape.steps` steps at once, so it reads the sampled tokens and
+plans the next batch once per K tokens instead of once per token (the host round trip and
+the launch gaps between steps are paid once per dispatch). Each iteration is exactly the
+single decode step (`program.single_step`), so the tokens, state and checkpoints are those
+of K separate steps (log-probs and state up to float rounding where XLA fuses the loop body
+otherwise than the lone step):
+
+    iteration j (0 <= j < K), row i active:
+        token      = row i's input: the batch's token at j = 0, else iteration j-1's sample
+        seq_start  = batch.seq_start + j           (sampling keys fold in the position)
+        has_state  = batch.has_state or j > 0
+        cow slot   = batch.virtual_cow_slot at j = 0 only (a prefix hit restores once)
+        checkpoint = batch.track_len == j + 1      (the boundary after this step's token)
+
+A row is active while j < num_steps[i] and no earlier iteration sampled one of its stop ids
+(`batch.stop_ids`, its eos included). An inactive row is a padded row (sink slot and pages,
+no new token): the state past a stop is never written, as when the host stops feeding it.
+
+Outputs: tokens / logprobs [B, K] (iteration j's sample in column j; columns at and past
+`num_accepted` are not valid), num_accepted [B] = the iterations the row ran. A while loop
+with a static trip count (fori_loop over constants) runs on the device without reading a
+predicate back to the host.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from .batch import PAD_TOKEN_OFFSET, StepBatch
+
+
+def decode_loop(single_step: Callable, state, batch: StepBatch, steps: int, query: int):
+    """Run `single_step(state, batch_j) -> (StepOutput, state)` for j = 0..steps-1 with the
+    batch of each iteration as the module docstring says. Returns (StepOutput with [B, K]
+    tokens and log-probs, num_accepted = iterations run, state)."""
+    b = batch.num_new.shape[0]
+    pad_offset = query + PAD_TOKEN_OFFSET
+    stops = batch.stop_ids
+
+    def body(j, carry):
+        state, token, active, tokens, logprobs, ran, drafts = carry
+        col = lambda x: jnp.where(active[:, None], x, 0)
+        step_batch = dataclasses.replace(
+            batch, tokens=token, token_offset=jnp.where(active, 0, pad_offset),
+            virtual_slot=jnp.where(active, batch.virtual_slot, 0), has_state=active & (batch.has_state | (j > 0)),
+            seq_start=batch.seq_start + j, num_new=active.astype(jnp.int32), virtual_pages=col(batch.virtual_pages),
+            virtual_track_slot=col(batch.virtual_track_slot),
+            track_len=jnp.where(batch.track_len == j + 1, 1, 0).astype(jnp.int32),
+            virtual_cow_slot=jnp.where((j == 0) & active, batch.virtual_cow_slot, 0),
+            num_steps=active.astype(jnp.int32))
+        out, state = single_step(state, step_batch)
+        tokens = tokens.at[:, j].set(out.tokens)
+        logprobs = logprobs.at[:, j].set(out.logprobs)
+        ran = ran + active.astype(jnp.int32)
+        stopped = jnp.any((out.tokens[:, None] == stops) & (stops >= 0), axis=1)
+        active = active & ~stopped & (j + 1 < batch.num_steps)
+        return state, jnp.where(active, out.tokens, token), active, tokens, logprobs, ran, out.drafts
+
+    spec = batch.lookahead.shape[1] - 1
+    carry = (state, batch.tokens, batch.num_new > 0, jnp.zeros((b, steps), jnp.int32),
+             jnp.zeros((b, steps), jnp.float32), jnp.zeros(b, jnp.int32), jnp.zeros((b, spec), jnp.int32))
+    state, _, _, tokens, logprobs, ran, drafts = jax.lax.fori_loop(0, steps, body, carry)
+    return tokens, logprobs, ran, drafts, state

@@ -1,0 +1,109 @@
+"""Several decode steps per dispatch (`EngineConfig.decode_steps`, `steps/decode_loop.py`):
+the engine's tokens, cache hits and state are those of one step per dispatch (tokens exactly,
+log-probs and state to float32 rounding: XLA may fuse the loop body otherwise).
+
+Oracle: the same engine geometry with decode_steps=1 (itself checked against the reference
+forward and HF transformers elsewhere), and the reference forward's greedy tokens."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+import inkling_jax as ik
+
+from conftest import TRUNK, count_xla_compiles, make_engine, reference_logprobs
+
+ATOL = 1e-5  # float32 rounding of a differently fused program (the tokens are compared exactly)
+PARAMS = ik.init_params(TRUNK, jax.random.key(0), std=0.1)
+_rng = np.random.RandomState(11)
+SHARED = list(_rng.randint(3, 256, 10))
+PROMPTS = [SHARED + list(_rng.randint(3, 256, n)) for n in (2, 7)] + [list(_rng.randint(3, 256, 5))]
+
+
+def _run(decode_steps: int, sampling: ik.SamplingParams, **overrides):
+    """Generate PROMPTS, then their completions as new prompts (hits on generation
+    checkpoints), then a two-turn session; returns everything the engine produced."""
+    engine = make_engine(PARAMS, decode_steps=decode_steps, max_context=128, **overrides)
+    first = engine.generate(PROMPTS, sampling)
+    grown = [p + c.tokens for p, c in zip(PROMPTS, first)]
+    second = engine.generate(grown, sampling)
+    sid = engine.open_session()
+    turns = [engine.generate([PROMPTS[0]], sampling, session=sid)[0], engine.generate([[7, 8, 9]], sampling,
+                                                                                       session=sid)[0]]
+    slot = engine.read_slot(engine.sessions[sid].held.virtual_slot)
+    engine.check_invariants()
+    return engine, first + second + turns, slot
+
+
+def _same(got, want):
+    assert [c.tokens for c in got] == [c.tokens for c in want]
+    assert [c.finish_reason for c in got] == [c.finish_reason for c in want]
+    assert [c.cached_tokens for c in got] == [c.cached_tokens for c in want]
+    for g, w in zip(got, want):
+        # XLA may fuse the loop body otherwise than the lone step: float rounding only
+        np.testing.assert_allclose(g.logprobs, w.logprobs, rtol=0, atol=ATOL)
+
+
+@pytest.mark.parametrize("sampling", [
+    ik.SamplingParams(max_new_tokens=11, stop_at_eos=False),
+    ik.SamplingParams(max_new_tokens=14, temperature=0.9, top_k=40, top_p=0.9, seed=5, stop_at_eos=False),
+], ids=["greedy", "sampled"])
+def test_k_steps_per_dispatch_equal_one(sampling):
+    """K = 3 (not a divisor of the budgets) and 4: tokens, log-probs, finish reasons, cache
+    hits (prompt and generation checkpoints), a session's slot after its turns: all equal
+    to one step per dispatch; fewer decode dispatches."""
+    one, want, want_slot = _run(1, sampling)
+    for k in (3, 4):
+        engine, got, slot = _run(k, sampling)
+        _same(got, want)
+        assert sum(c.cached_tokens for c in got[3:6]) > 0  # the grown prompts hit
+        assert slot.keys() == want_slot.keys()
+        for key in slot:
+            np.testing.assert_allclose(slot[key], want_slot[key], rtol=0, atol=ATOL, err_msg=key)
+        assert engine.stats()["decode_steps"] < one.stats()["decode_steps"]
+        assert engine.stats()["generated_tokens"] == one.stats()["generated_tokens"]
+    if sampling.temperature == 0:
+        for p, c in zip(PROMPTS, want[:3]):
+            assert c.tokens == reference_logprobs(PARAMS, TRUNK, p, c.tokens)[1].tolist()
+
+
+def test_stop_token_inside_a_dispatch():
+    """A stop token sampled mid-dispatch ends the row there: the steps after it write no
+    state (the session's slot equals the one-step engine's) and the other rows go on."""
+    greedy = ik.SamplingParams(max_new_tokens=12, stop_at_eos=False)
+    _, free, _ = _run(1, greedy)
+    stops = sorted({c.tokens[4] for c in free[:3]} | {free[6].tokens[2]})  # mid-dispatch for K = 4
+    sampling = ik.SamplingParams(max_new_tokens=12, stop_at_eos=False, stop_token_ids=tuple(stops))
+    _, want, want_slot = _run(1, sampling)
+    assert "stop" in [c.finish_reason for c in want] and "length" in [c.finish_reason for c in want]
+    _, got, slot = _run(4, sampling)
+    _same(got, want)
+    for key in slot:
+        np.testing.assert_allclose(slot[key], want_slot[key], rtol=0, atol=ATOL, err_msg=key)
+
+
+def test_no_compile_after_warmup():
+    """warmup() compiles the K-step decode program of every bucket: serving compiles nothing
+    (XLA's own compile events), and the tokens are the reference forward's greedy ones."""
+    engine = make_engine(PARAMS, decode_steps=4, max_context=64, warmup=True)
+    rng = np.random.RandomState(2)
+    runs = []
+    with count_xla_compiles() as compiles:
+        for n in (1, 2, 3):
+            prompts = [list(rng.randint(3, 256, rng.randint(1, 20))) for _ in range(n)]
+            sampling = ik.SamplingParams(max_new_tokens=int(rng.randint(2, 12)), stop_at_eos=False)
+            runs += zip(prompts, engine.generate(prompts, sampling))
+    assert compiles[0] == 0
+    for p, c in runs:
+        assert c.tokens == reference_logprobs(PARAMS, TRUNK, p, c.tokens)[1].tolist()
+    engine.check_invariants()
+
+
+def test_decode_steps_config():
+    with pytest.raises(ValueError, match="decode_steps must be an int >= 1"):
+        ik.EngineConfig(decode_steps=0)
+    with pytest.raises(ValueError, match=r"track_interval \(8\) must exceed decode_steps \(8\)"):
+        ik.EngineConfig(page_size=4, track_interval=8, decode_steps=8)
+    ik.EngineConfig(page_size=4, track_interval=8, decode_steps=8, spec_steps=2)  # unused with speculation
