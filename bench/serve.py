@@ -92,6 +92,7 @@ def parse_args(argv=None):
                    "the decode and flags sections, a comma list")
     p.add_argument("--flag-variants", default=None, help="XLA_FLAGS variants of the flags section, ';'-separated "
                    "(default: none, and command buffers for everything; smoke: none, and a CPU flag)")
+    p.add_argument("--flag-batches", default="1,32", help="batch sizes of the flags section (smoke: 1)")
     p.add_argument("--startup-child", default="", metavar="DIR", help=argparse.SUPPRESS)  # serve_fresh's child
     p.add_argument("--child-out", default="", metavar="FILE", help=argparse.SUPPRESS)  # a child's JSON results
     return p.parse_args(argv)
@@ -244,7 +245,7 @@ def section_mesh(args, cfg, params, report: Report, no_mesh: dict) -> None:
     v = cfg.unpadded_vocab_size
     sp = ik.SamplingParams(max_new_tokens=args.new, stop_at_eos=False)
     rows = []
-    for b in ((1,) if args.smoke else (1, 8)):
+    for b in ((1,) if args.smoke else [int(x) for x in args.decode_batches.split(",")]):  # the decode section's
         prompts = [list(rng.randint(3, v, args.prompt_len)) for _ in range(b)]
         engine = ik.Engine(cfg, params, bench_config(args, b, prefix=False), mesh=ik.make_mesh(tp=1, ep=1))
         warm(engine, prompts, ik.SamplingParams(max_new_tokens=4, stop_at_eos=False))

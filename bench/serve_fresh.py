@@ -168,9 +168,9 @@ def flag_variants(args) -> list[str]:
 
 
 def section_flags(args, report: Report) -> None:
-    """The decode section (batch 1 and 32; smoke: 1) again in a fresh process per XLA_FLAGS
+    """The decode section (--flag-batches; smoke: 1) again in a fresh process per XLA_FLAGS
     variant (appended to the inherited XLA_FLAGS), against the first variant."""
-    batches = "1" if args.smoke else "1,32"
+    batches = "1" if args.smoke else args.flag_batches
     ks = args.decode_steps_list
     results: list[tuple[str, dict | None, str]] = []
     with tempfile.TemporaryDirectory(prefix="inkling-flags-") as outdir:
