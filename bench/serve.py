@@ -93,6 +93,8 @@ def parse_args(argv=None):
     p.add_argument("--flag-variants", default=None, help="XLA_FLAGS variants of the flags section, ';'-separated "
                    "(default: none, and command buffers for everything; smoke: none, and a CPU flag)")
     p.add_argument("--flag-batches", default="1,32", help="batch sizes of the flags section (smoke: 1)")
+    p.add_argument("--startup-jnp", action="store_true", help="startup: also cold / warm with use_pallas=False "
+                   "(in a child: this run's engine uses the jnp kernels)")
     p.add_argument("--startup-child", default="", metavar="DIR", help=argparse.SUPPRESS)  # serve_fresh's child
     p.add_argument("--child-out", default="", metavar="FILE", help=argparse.SUPPRESS)  # a child's JSON results
     return p.parse_args(argv)

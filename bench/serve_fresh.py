@@ -86,13 +86,20 @@ def startup_child(args) -> int:
     """--startup-child DIR: params, engine and one generate in this fresh process, the
     engine's persistent compile cache in DIR (EngineConfig.compile_cache_dir); timings to
     --child-out."""
+    events: dict[str, float] = {}  # jax's compile-time events: seconds summed per name
+
+    def listen(name, secs, **kw):
+        events[name] = events.get(name, 0.0) + secs
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
     t0 = time.perf_counter()  # just after `import inkling_jax` (serve.py's imports)
     cfg = ik.InklingConfig.tiny(num_mtp_layers=0, mtp_local_layer_ids=()) if args.smoke else \
         ik.InklingConfig.bench(num_mtp_layers=0, mtp_local_layer_ids=())
     params = ik.init_params(cfg, jax.random.key(0), dtype=jnp.float32 if args.smoke else jnp.bfloat16)
     jax.block_until_ready(params)
     t1 = time.perf_counter()
-    config = dataclasses.replace(bench_config(args, 1, prefix=False), compile_cache_dir=args.startup_child)
+    config = dataclasses.replace(bench_config(args, 1, prefix=False), compile_cache_dir=args.startup_child,
+                                 use_pallas=False if args.startup_jnp else "auto")
     engine = ik.Engine(cfg, params, config)
     t2 = time.perf_counter()
     prompt = [int(t) for t in np.random.RandomState(3).randint(3, cfg.unpadded_vocab_size, args.prompt_len)]
@@ -101,10 +108,16 @@ def startup_child(args) -> int:
     st = engine.stats()
     result = dict(params_s=t1 - t0, engine_s=t2 - t1, generate_s=t3 - t2, total_s=t3 - t0,
                   tokens=len(done[0].tokens), compiles=st["compiles"], compile_seconds=st["compile_seconds"],
-                  cache_dir=engine.runner.compile_cache_dir, backend=jax.default_backend())
+                  cache_dir=engine.runner.compile_cache_dir, backend=jax.default_backend(),
+                  phases={k.rsplit("/", 1)[-1]: v for k, v in events.items() if k in PHASE_EVENTS})
     with open(args.child_out, "w") as f:
         json.dump(result, f)
     return 0
+
+
+# where start-up compile time goes (jax.monitoring duration events)
+PHASE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration",
+                "/jax/core/compile/backend_compile_duration", "/jax/compilation_cache/cache_retrieval_time_sec")
 
 
 def cache_entries(path: str) -> int:
@@ -133,17 +146,21 @@ def section_startup(args, report: Report) -> None:
     met = lambda s, target: "yes" if s <= target else "no"  # noqa: E731
     with tempfile.TemporaryDirectory(prefix="inkling-startup-cache-") as cache, \
             tempfile.TemporaryDirectory(prefix="inkling-startup-out-") as outdir:
-        for run_name in ("cold", "warm"):
+        runs = [("cold", cache, []), ("warm", cache, [])]
+        if args.startup_jnp:  # the same with the jnp kernels, in a cache of their own
+            jnp_cache = os.path.join(outdir, "jnp-cache")
+            runs += [("cold, jnp kernels", jnp_cache, ["--startup-jnp"]), ("warm, jnp kernels", jnp_cache, ["--startup-jnp"])]
+        for run_name, cache, extra in runs:
             out = os.path.join(outdir, f"{run_name}.json")
             entries = cache_entries(cache)
-            cmd = [sys.executable, SERVE, "--startup-child", cache, "--child-out", out] + size_args(args)
+            cmd = [sys.executable, SERVE, "--startup-child", cache, "--child-out", out] + size_args(args) + extra
             res, why, wall = run_child(cmd, child_env(args), out, timeout=1800)
             what = f"import -> init_params -> Engine -> first generate, {run_name} compile cache ({entries} entries)"
             if res is None:
                 rows.append([what, f"failed: {why}", f"<= {START_TARGET_S:.0f}", "no"])
                 continue
             log(f"startup {run_name}: {res} (process {wall:.1f} s)")
-            if run_name == "cold":
+            if run_name == "cold":  # (the jnp runs' init_params is the same)
                 model = "tiny model (no MTP), fp32" if args.smoke else "bench model (no MTP), bf16"
                 rows.insert(1, [f"init_params, {model}, block_until_ready", f"{res['params_s']:.1f}",
                                 f"<= {INIT_TARGET_S:.0f}", met(res["params_s"], INIT_TARGET_S)])
@@ -152,6 +169,9 @@ def section_startup(args, report: Report) -> None:
             rows.append([f"  of which init_params / Engine() / generate ({res['compiles']} compiles, "
                          f"{res['compile_seconds']:.1f} s)",
                          f"{res['params_s']:.1f} / {res['engine_s']:.1f} / {res['generate_s']:.1f}", "-", "-"])
+            ph = res.get("phases", {})
+            rows.append(["  compile phases: trace / to MLIR / XLA compile / cache reads",
+                         " / ".join(f"{ph.get(k.rsplit('/', 1)[-1], 0.0):.1f}" for k in PHASE_EVENTS), "-", "-"])
             if res["cache_dir"] != cache:
                 notes.append(f"the {run_name} engine's compile cache was {res['cache_dir']!r}, not the fresh directory")
     notes.append("entries: files in the cache directory before the run (the engine caches compiles of 1 s or more)")

@@ -51,11 +51,12 @@ def _same(got, want):
     ik.SamplingParams(max_new_tokens=14, temperature=0.9, top_k=40, top_p=0.9, seed=5, stop_at_eos=False),
 ], ids=["greedy", "sampled"])
 def test_k_steps_per_dispatch_equal_one(sampling):
-    """K = 3 (not a divisor of the budgets) and 4: tokens, log-probs, finish reasons, cache
-    hits (prompt and generation checkpoints), a session's slot after its turns: all equal
-    to one step per dispatch; fewer decode dispatches."""
+    """K = 3 (not a divisor of the budgets) and 9 (past the checkpoint interval of 8: a row's
+    dispatch stops before its second boundary): tokens, log-probs, finish reasons, cache hits
+    (prompt and generation checkpoints), a session's slot after its turns: all equal to one
+    step per dispatch; fewer decode dispatches."""
     one, want, want_slot = _run(1, sampling)
-    for k in (3, 4):
+    for k in (3, 9):
         engine, got, slot = _run(k, sampling)
         _same(got, want)
         assert sum(c.cached_tokens for c in got[3:6]) > 0  # the grown prompts hit
@@ -102,8 +103,11 @@ def test_no_compile_after_warmup():
 
 
 def test_decode_steps_config():
-    with pytest.raises(ValueError, match="decode_steps must be an int >= 1"):
-        ik.EngineConfig(decode_steps=0)
-    with pytest.raises(ValueError, match=r"track_interval \(8\) must exceed decode_steps \(8\)"):
-        ik.EngineConfig(page_size=4, track_interval=8, decode_steps=8)
-    ik.EngineConfig(page_size=4, track_interval=8, decode_steps=8, spec_steps=2)  # unused with speculation
+    for bad in (0, -1, 2.0, True, "8"):
+        with pytest.raises(ValueError, match="decode_steps must be 'auto' or an int >= 1"):
+            ik.EngineConfig(decode_steps=bad)
+    # "auto": 8 on an accelerator, 1 on the CPU (where a step dwarfs the host round trip)
+    engine = make_engine(PARAMS)
+    assert engine.config.decode_steps == "auto"
+    assert engine.runner.decode_steps == (1 if jax.default_backend() == "cpu" else 8)
+    assert engine.runner.shape("decode", 1, 1, 1).steps == engine.runner.decode_steps

@@ -135,9 +135,10 @@ class Engine:
             page_cap = config.num_pages
         self.max_context = min(config.max_context or page_cap * config.page_size, page_cap * config.page_size)
         self.checkpoints = CheckpointPolicy(config, self.tree, self.admission)
-        self.scheduler = Scheduler(cfg, config, self.admission, self.checkpoints, self._stats)
         self.runner = StepRunner(cfg, params, config, lay, self.pool, self.max_context,
                                  extend_checkpoints=self.checkpoints.max_per_step, plan=self.plan)
+        self.scheduler = Scheduler(cfg, config, self.admission, self.checkpoints, self._stats,
+                                   decode_steps=self.runner.decode_steps)
         self.waiting: list[Request] = []
         self.sessions: dict[int, Session] = self.admission.sessions
         self._rids = itertools.count()

@@ -7,8 +7,8 @@
 Modes: `extend` while any running request has more than one pending token (prefill chunks;
 decoding rows ride along with one token), else `verify` with speculative decoding, else
 `decode` (up to `EngineConfig.decode_steps` steps per dispatch, a device loop: a row runs
-until its budget of new tokens, a stop token or the dispatch's last step; requests that
-arrive meanwhile wait for the dispatch to end). With speculative decoding a decoding row never rides in an extend step: prefill
+until its budget of new tokens, a stop token, the dispatch's last step or the step before
+its second checkpoint boundary; requests that arrive meanwhile wait for the dispatch). With speculative decoding a decoding row never rides in an extend step: prefill
 and verify steps alternate, so a sampled request draws the same tokens alone and batched
 (a verify round and a plain sample draw differently). A request's pending tokens are the
 ones not yet in the state: its prompt's rest, or the last sampled token.
@@ -61,8 +61,9 @@ class StepPlan:
 
 class Scheduler:
     def __init__(self, cfg: InklingConfig, config: EngineConfig, admission: Admission, checkpoints: CheckpointPolicy,
-                 stats: dict[str, Any]):
+                 stats: dict[str, Any], decode_steps: int = 1):
         self.cfg, self.config, self.admission, self.checkpoints, self.stats = cfg, config, admission, checkpoints, stats
+        self.decode_steps = decode_steps  # K of a decode dispatch (the runner's shape)
         self.accepted_at_depth = [0] * config.spec_steps
         self.last_mode = "decode"
 
@@ -92,8 +93,11 @@ class Scheduler:
         for r in running:
             if mode == "verify":
                 n = spec + 1
-            elif mode == "decode":  # the steps the row may run in this dispatch (its one token first)
-                n = min(cfg.decode_steps, r.sampling.max_new_tokens - len(r.out_tokens))
+            elif mode == "decode":  # the steps the row may run in this dispatch (its one token first),
+                # crossing one checkpoint boundary at most (a dispatch writes one per row)
+                first = (r.committed // cfg.track_interval + 1) * cfg.track_interval
+                n = min(self.decode_steps, r.sampling.max_new_tokens - len(r.out_tokens),
+                        first + cfg.track_interval - 1 - r.committed)
             else:
                 n = max(min(r.pending, cfg.chunk_size, budget - (len(running) - len(new_tokens) - 1)), 1)
             n, cks = self.checkpoints.plan(r, n)  # may cut the chunk at a checkpoint
