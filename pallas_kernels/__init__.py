@@ -27,7 +27,7 @@ kernels in interpret mode (any backend; this is how CPU tests run them: `conv_op
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
+from functools import lru_cache, partial
 from typing import Callable
 
 import jax
@@ -63,9 +63,25 @@ def conv_ops(use_pallas: bool | str, interpret: bool = False) -> ConvOps:
     if not interpret and jax.default_backend() != "gpu":
         raise ValueError(f"Pallas kernels need a GPU (backend is {jax.default_backend()!r}); pass interpret=True "
                          "to run them in interpret mode, or use_pallas='auto'")
-    bind = partial(partial, interpret=interpret)
-    return ConvOps(bind(conv_state.pallas.conv_update), bind(conv_state.pallas.conv_write),
-                   bind(slot_ops.pallas.copy_units), bind(slot_ops.pallas.clear_units), bind(moe.pallas.moe_experts),
+    return _pallas_ops(interpret)
+
+
+@lru_cache(maxsize=None)
+def _pallas_ops(interpret: bool) -> ConvOps:
+    """The Pallas ops, each behind its own jit (one set per process): a step calls the same
+    kernel at the same shapes in every layer, and a jit traces and lowers it once for all of
+    them (the persistent compilation cache stores compiled programs, not this lowering, so
+    without it every fresh process traced and lowered each layer's kernels again: ~25 s of a
+    bench-model start). Inside the step the jit is a call XLA inlines: the arena is still
+    updated in place."""
+    def jitted(fn, *static):
+        return jax.jit(partial(fn, interpret=interpret), static_argnames=static)
+
+    conv = ("window_shape", "channels", "sink_rows", "block", "num_warps")
+    units = ("num_units", "sink_rows")
+    return ConvOps(jitted(conv_state.pallas.conv_update, *conv, "tile"), jitted(conv_state.pallas.conv_write, *conv),
+                   jitted(slot_ops.pallas.copy_units, *units), jitted(slot_ops.pallas.clear_units, *units),
+                   jitted(moe.pallas.moe_experts, "tf", "bh", "splits", "num_warps", "target_programs"),
                    pallas=True, interpret=interpret)
 
 
