@@ -153,3 +153,29 @@ def count_xla_compiles():
         yield count
     finally:
         jax.monitoring.unregister_event_duration_listener(listener)
+
+
+# ------------------------------------------------------------ tests on 8 host devices
+
+MESH_DEVICES = 8
+on_mesh = pytest.mark.skipif(len(jax.devices()) < MESH_DEVICES,
+                             reason="runs in an 8-device subprocess (run_on_mesh_devices)")
+
+
+def run_on_mesh_devices(test_file: str) -> None:
+    """Run test_file's `test_on_mesh_*` tests in a subprocess with 8 host devices (this
+    process started jax with one), and fail with their output unless every one passed."""
+    import subprocess
+    import sys
+
+    if len(jax.devices()) >= MESH_DEVICES:
+        pytest.skip("this process has 8 devices: the test_on_mesh_* tests ran directly")
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               XLA_FLAGS=f"--xla_force_host_platform_device_count={MESH_DEVICES} --xla_backend_optimization_level=0")
+    run = subprocess.run([sys.executable, "-m", "pytest", "-o", "addopts=", "-q", "-x", "-p", "no:cacheprovider",
+                          "-k", "on_mesh", os.path.abspath(test_file)],
+                         cwd=repo, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
+    summary = run.stdout.strip().splitlines()[-1]
+    assert " passed" in summary and "skipped" not in summary and "failed" not in summary, summary

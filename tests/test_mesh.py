@@ -11,9 +11,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -28,25 +25,12 @@ from inkling_jax import parallel as par
 from inkling_jax.model.params import param_shapes
 from inkling_jax.parallel.planner import H200_BYTES, SERVING_MEM_FRACTION, PoolSizes, main as planner_main, plan_memory
 
-from conftest import PARITY_CONFIGS, random_tokens
+from conftest import PARITY_CONFIGS, on_mesh, random_tokens, run_on_mesh_devices
 
-MESH_DEVICES = 8
-on_mesh = pytest.mark.skipif(len(jax.devices()) < MESH_DEVICES,
-                             reason="runs in the 8-device subprocess (test_mesh_cases_on_8_host_devices)")
 
 
 def test_mesh_cases_on_8_host_devices():
-    if len(jax.devices()) >= MESH_DEVICES:
-        pytest.skip("this process has 8 devices: the test_on_mesh_* tests ran directly")
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS=f"--xla_force_host_platform_device_count={MESH_DEVICES} --xla_backend_optimization_level=0")
-    run = subprocess.run([sys.executable, "-m", "pytest", "-o", "addopts=", "-q", "-x", "-p", "no:cacheprovider",
-                          "-k", "on_mesh", os.path.abspath(__file__)],
-                         cwd=repo, env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
-    summary = run.stdout.strip().splitlines()[-1]
-    assert " passed" in summary and "skipped" not in summary and "failed" not in summary, summary
+    run_on_mesh_devices(__file__)
 
 
 # --------------------------------------------------------------- the split (no devices)

@@ -13,9 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -27,11 +24,8 @@ import inkling_jax as ik
 from inkling_jax.engine import runner as runner_mod
 from inkling_jax.parallel.planner import plan_memory
 
-from conftest import ENGINE_KW, count_xla_compiles, reference_logprobs
+from conftest import ENGINE_KW, count_xla_compiles, on_mesh, reference_logprobs, run_on_mesh_devices
 
-MESH_DEVICES = 8
-on_mesh = pytest.mark.skipif(len(jax.devices()) < MESH_DEVICES,
-                             reason="runs in the 8-device subprocess (test_mesh_engine_cases_on_8_host_devices)")
 
 # The tiny preset: TRUNK's layers plus 3 MTP depths. Full layers have 2 kv heads, sliding
 # layers 4, 8 routed experts, vocab 264: it splits over tp 2 and ep 4 without repeated kv heads.
@@ -79,17 +73,7 @@ def _assert_same_completions(got, want, atol=1e-5):
 
 
 def test_mesh_engine_cases_on_8_host_devices():
-    if len(jax.devices()) >= MESH_DEVICES:
-        pytest.skip("this process has 8 devices: the test_on_mesh_* tests ran directly")
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS=f"--xla_force_host_platform_device_count={MESH_DEVICES} --xla_backend_optimization_level=0")
-    run = subprocess.run([sys.executable, "-m", "pytest", "-o", "addopts=", "-q", "-x", "-p", "no:cacheprovider",
-                          "-k", "on_mesh", os.path.abspath(__file__)],
-                         cwd=repo, env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
-    summary = run.stdout.strip().splitlines()[-1]
-    assert " passed" in summary and "skipped" not in summary and "failed" not in summary, summary
+    run_on_mesh_devices(__file__)
 
 
 # ------------------------------------------------------------------- one device
