@@ -361,7 +361,10 @@ OPS = st.lists(st.one_of(
 
 
 @pytest.mark.parametrize("pool, ping_pong", POOLS)
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+# derandomize: CI runs the same 25 schedules every time (a random one once found an
+# admission livelock with a session open in the static pool; see admit_waiting)
+@settings(max_examples=25, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ops=OPS)
 def test_random_schedules_match_no_cache(trunk_params, pool, ping_pong, ops):
     """Random schedules of submit / step / session turns / close / compaction / eviction and

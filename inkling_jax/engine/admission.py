@@ -159,7 +159,9 @@ class Admission:
         up the ones behind it while others run (they will free room). With nothing running,
         a request that does not fit is passed over (a session turn behind it needs no new
         room), and one that cannot fit even into an empty pool beside the sessions' state is
-        given up: it leaves the queue with `error` set. Returns the given-up requests."""
+        given up: it leaves the queue with `error` set. If then nothing runs and nothing was
+        admitted, no step can free room (the tree was evicted for it): every waiting request is
+        given up rather than waited on forever. Returns the given-up requests."""
         given_up = []
         i = 0
         while i < len(waiting) and len(self.running) < self.config.max_running:
@@ -178,6 +180,14 @@ class Admission:
                 given_up.append(r)
             else:
                 i += 1
+        if waiting and not self.running:  # nothing runs, nothing was admitted: no step can free room
+            slots, pages = self.pool.free_count("slot"), self.pool.free_count("page")
+            for r in waiting:
+                r.error = (f"cannot be admitted: nothing is running and the pool has {slots} free slots and "
+                           f"{pages} free pages after evicting the prefix cache (open sessions and the prefixes "
+                           f"they hold keep the rest; close a session or ask for fewer new tokens)")
+            given_up += waiting
+            waiting.clear()
         return given_up
 
     # ------------------------------------------------------------- capacity checks
