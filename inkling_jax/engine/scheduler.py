@@ -8,7 +8,8 @@ Modes: `extend` while any running request has more than one pending token (prefi
 decoding rows ride along with one token), else `verify` with speculative decoding, else
 `decode` (up to `EngineConfig.decode_steps` steps per dispatch, a device loop: a row runs
 until its budget of new tokens, a stop token, the dispatch's last step or the step before
-its second checkpoint boundary; requests that arrive meanwhile wait for the dispatch). With speculative decoding a decoding row never rides in an extend step: prefill
+its second checkpoint boundary; requests that arrive meanwhile wait for the dispatch).
+With speculative decoding a decoding row never rides in an extend step: prefill
 and verify steps alternate, so a sampled request draws the same tokens alone and batched
 (a verify round and a plain sample draw differently). A request's pending tokens are the
 ones not yet in the state: its prompt's rest, or the last sampled token.

@@ -37,8 +37,9 @@ from .batch import PAD_TOKEN_OFFSET, StepBatch
 
 def decode_loop(single_step: Callable, state, batch: StepBatch, steps: int, query: int):
     """Run `single_step(state, batch_j) -> (StepOutput, state)` for j = 0..steps-1 with the
-    batch of each iteration as the module docstring says. Returns (StepOutput with [B, K]
-    tokens and log-probs, num_accepted = iterations run, state)."""
+    batch of each iteration as the module docstring says. Returns (tokens [B, K], logprobs
+    [B, K], steps run [B], the last iteration's drafts [B, S], state); `run_step` makes the
+    StepOutput of them."""
     b = batch.num_new.shape[0]
     pad_offset = query + PAD_TOKEN_OFFSET
     stops = batch.stop_ids
