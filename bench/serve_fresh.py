@@ -95,7 +95,8 @@ def startup_child(args) -> int:
     t0 = time.perf_counter()  # just after `import inkling_jax` (serve.py's imports)
     cfg = ik.InklingConfig.tiny(num_mtp_layers=0, mtp_local_layer_ids=()) if args.smoke else \
         ik.InklingConfig.bench(num_mtp_layers=0, mtp_local_layer_ids=())
-    params = ik.init_params(cfg, jax.random.key(0), dtype=jnp.float32 if args.smoke else jnp.bfloat16)
+    params = ik.init_params(cfg, jax.random.key(0), dtype=jnp.float32 if args.smoke else jnp.bfloat16,
+                            compile_cache=args.startup_child)
     jax.block_until_ready(params)
     t1 = time.perf_counter()
     config = dataclasses.replace(bench_config(args, 1, prefix=False), compile_cache_dir=args.startup_child,

@@ -34,6 +34,7 @@ from pallas_kernels import conv_ops
 from ..cache.layout import ArenaLayout
 from ..cache.pool import UnitPool
 from ..cache.state import ServingState, init_state, read_slot_field
+from ..compile_cache import enable_compile_cache
 from ..config import InklingConfig
 from ..parallel import serving
 from ..parallel.plan import ShardPlan
@@ -74,32 +75,6 @@ def available_memory(device: jax.Device | None = None) -> int | None:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         return None
-
-
-def enable_compile_cache(setting: str | None) -> str | None:
-    """Turn on JAX's persistent compilation cache (process-wide: the config is JAX's) unless
-    the caller configured one already (JAX_COMPILATION_CACHE_DIR or jax.config) or
-    `setting` is None. "auto": on a GPU, under $XDG_CACHE_HOME (~/.cache)/inkling-jax/xla;
-    elsewhere off (CPU compiles of small models are fast). Returns the directory in use."""
-    current = jax.config.jax_compilation_cache_dir
-    if current or setting is None:
-        return current
-    if setting == "auto":
-        if jax.default_backend() != "gpu":
-            return None
-        setting = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "inkling-jax",
-                               "xla")
-    path = os.path.expanduser(setting)
-    os.makedirs(path, exist_ok=True)
-    jax.config.update("jax_compilation_cache_dir", path)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
-    try:  # JAX decides at the first compile whether a cache is used: ask it again
-        from jax._src import compilation_cache
-
-        compilation_cache.reset_cache()
-    except (ImportError, AttributeError):
-        pass
-    return path
 
 
 def check_arena_fits(num_units: int, layout: ArenaLayout, dtype: Any) -> None:

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
 
+from ..compile_cache import enable_compile_cache
 from ..config import AttentionGeometry, InklingConfig
 
 Params = dict[str, Any]
@@ -114,14 +115,19 @@ def leaf_dtype(name: str, dtype: Any) -> Any:
 DEVICE_INIT_ELEMS = 1 << 20  # leaves at least this large are drawn on the device
 
 
-def init_params(cfg: InklingConfig, key: jax.Array, dtype: Any = jnp.float32, std: float = 0.02) -> Params:
+def init_params(cfg: InklingConfig, key: jax.Array, dtype: Any = jnp.float32, std: float = 0.02,
+                compile_cache: str | None = "auto") -> Params:
     """Random parameters: normal(std) matrices, unit norms and scales, normal(0.3) conv taps,
     zero router bias. Deterministic for a given key.
+
+    compile_cache: the persistent compilation cache for the sampling programs, as
+    `EngineConfig.compile_cache_dir` ("auto": on a GPU; see `inkling_jax.compile_cache`).
 
     Leaves below DEVICE_INIT_ELEMS elements are sampled with numpy's generator seeded from
     the key's bits (a jitted init of a few hundred small leaves takes longer to compile than
     the model does); larger ones on the device, one small jit per distinct shape (host
     sampling and the transfer of a few GB took about a minute for the bench preset)."""
+    enable_compile_cache(compile_cache)
     seed = np.asarray(jax.random.key_data(key)).astype(np.uint64).ravel().tolist()
     rng = np.random.default_rng(seed)
     shapes = param_shapes(cfg)
