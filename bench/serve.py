@@ -1,7 +1,7 @@
 """The engine as a user sees it: `Engine.generate` (host loop included), timed end to end and
 per phase, on a GPU. One run, sections chosen with --sections:
 
-    python bench/serve.py [--sections prefix,decode,spec,fidelity,mesh,startup,flags] [--out FILE]
+    python bench/serve.py [--sections prefix,decode,prefill,spec,fidelity,mesh,startup,flags] [--out FILE]
     python bench/serve.py --smoke      # tiny sizes on CPU: checks the script, measures nothing
 
 * prefix: the shared-system-prompt workload of issue 14 on the bench model (bf16, random
@@ -17,6 +17,13 @@ per phase, on a GPU. One run, sections chosen with --sections:
   its first), so K=1 and K>1 compare; the dispatches are counted apart. Against the HBM
   roofline of a decode step at that context (bytes that must move / measured copy
   bandwidth; bench/decode_runs.py).
+* prefill: issue 17's target, prefill >= 40 % of the bf16 peak (--peak-tflops) at 8 x 1k and
+  1 x 8k (`--prefill-cases 8x1024,1x8192`; smoke: 2x32,1x128) in the engine loop: one engine
+  per case with the whole case in one extend step where the config allows (chunk_size = L,
+  max_step_tokens = N * L, context bucket L), max_new_tokens=1, prefix cache off, warmed up on a
+  same-shape case; median over --prefill-reps of submit -> the last request's first token,
+  extend steps, compiles (checked not to grow while timed), tok/s, and model TFLOP/s from the
+  useful forward FLOPs per token (bench/serve_prefill.py, checked against param_shapes).
 * spec: the shipped trained model (`inkling_jax/models/shakespeare`): mean accept length
   (bonus included) and acceptance per depth for spec_steps 1..3, tokens/s with and without
   speculation at batch 1 and 8, on Shakespeare-like prompts (greedy).
@@ -65,10 +72,11 @@ from decode_runs import decode_bytes  # noqa: E402
 from serve_fresh import section_flags, section_startup, startup_child  # noqa: E402
 from serve_loop import (bench_config, decode_ms_per_token, parse_decode_steps, phases, run, tiny_config,  # noqa: E402
                         warm)
+from serve_prefill import section_prefill  # noqa: E402
 
 import inkling_jax as ik  # noqa: E402
 
-SECTIONS = ("prefix", "decode", "spec", "fidelity", "mesh", "startup", "flags")
+SECTIONS = ("prefix", "decode", "prefill", "spec", "fidelity", "mesh", "startup", "flags")
 PROSE = ["To be, or not to be, that is the question:", "ROMEO. But soft, what light through yonder window",
          "Now is the winter of our discontent", "HAMLET. O, that this too too solid flesh would melt,",
          "All the world's a stage, and all the men and women", "KING LEAR. Blow, winds, and crack your cheeks!",
@@ -93,6 +101,13 @@ def parse_args(argv=None):
     p.add_argument("--flag-variants", default=None, help="XLA_FLAGS variants of the flags section, ';'-separated "
                    "(default: none, and command buffers for everything; smoke: none, and a CPU flag)")
     p.add_argument("--flag-batches", default="1,32", help="batch sizes of the flags section (smoke: 1)")
+    p.add_argument("--prefill-cases", default=None, help="prefill section: NxL cases, N prompts of L tokens "
+                   "submitted together (default 8x1024,1x8192; smoke: 2x32,1x128)")
+    p.add_argument("--prefill-reps", type=int, default=3, help="prefill section: timed runs per case (median)")
+    p.add_argument("--prefill-step-tokens", type=int, default=0, help="prefill section: cap on tokens per extend "
+                   "step (0: the whole case, N x L)")
+    p.add_argument("--peak-tflops", type=float, default=989.4, help="dense bf16 peak TFLOP/s of the device "
+                   "(default: H200 SXM)")
     p.add_argument("--startup-jnp", action="store_true", help="startup: also cold / warm with use_pallas=False "
                    "(in a child: this run's engine uses the jnp kernels)")
     p.add_argument("--startup-child", default="", metavar="DIR", help=argparse.SUPPRESS)  # serve_fresh's child
@@ -268,6 +283,7 @@ def main(argv=None) -> int:
         raise SystemExit(f"unknown sections {sorted(bad)}; choose from {SECTIONS}")
     args.decode_steps_list = parse_decode_steps(args.decode_steps)
     args.decode_batches = args.decode_batches or ("1,2" if args.smoke else "1,8,32")
+    args.prefill_cases = args.prefill_cases or ("2x32,1x128" if args.smoke else "8x1024,1x8192")
     if args.smoke:
         jax.config.update("jax_platforms", "cpu")
         args.prompt_len, args.shared, args.new, args.requests = 96, 80, 8, 4
@@ -280,7 +296,7 @@ def main(argv=None) -> int:
     dev = jax.devices()[0]
     report.add(f"## bench/serve.py: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
                f"{getattr(dev, 'device_kind', dev.platform)}, jax {jax.__version__}", "head")
-    need_bench = {"prefix", "decode", "mesh"} & set(sections)
+    need_bench = {"prefix", "decode", "prefill", "mesh"} & set(sections)
     cfg = params = None
     if need_bench:
         cfg = ik.InklingConfig.tiny(num_mtp_layers=0, mtp_local_layer_ids=()) if args.smoke else \
@@ -296,6 +312,8 @@ def main(argv=None) -> int:
         bandwidth = copy_bandwidth(1 << 20 if args.smoke else 1 << 30, jnp.bfloat16)
         log(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s")
         decode_ms = section_decode(args, cfg, params, report, bandwidth)
+    if "prefill" in sections:
+        section_prefill(args, cfg, params, report)
     if "spec" in sections:
         section_spec(args, report)
     if "fidelity" in sections:
