@@ -1,7 +1,10 @@
-"""Routed-expert implementations for a few tokens on the bench config's shapes (bf16):
-dense (every expert), gather (w13[idx] copies), slices (dynamic slice per choice).
+"""Routed-expert implementations on the bench config's shapes (bf16).
 
-    python bench/moe_micro.py
+    python bench/moe_micro.py            a few tokens: dense (every expert), gather (w13[idx]
+                                         copies), slices (dynamic slice per choice)
+    python bench/moe_micro.py --many     many tokens: dense against the sorted-block grouped
+                                         GEMM kernels (pallas_kernels/moe/grouped.py) per tiling
+                                         (GPU); useful TFLOP/s count only the chosen experts
 """
 
 from __future__ import annotations
@@ -20,7 +23,58 @@ from inkling_jax.config import InklingConfig  # noqa: E402
 from inkling_jax.model import layers as L  # noqa: E402
 
 
+def timed(fn, *args, reps: int = 20) -> float:
+    """Median seconds of fn(*args) over reps synced calls (after one warm call)."""
+    jax.block_until_ready(fn(*args))
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        ts.append(time.perf_counter() - t0)
+    return sorted(ts)[len(ts) // 2]
+
+
+TILINGS = ((64, 128, 64, 4, 3), (128, 128, 64, 8, 3), (64, 128, 64, 4, 4), (128, 128, 32, 4, 3),
+           (64, 64, 64, 4, 3))  # bm, bn, bk, num_warps, num_stages
+
+
+def many(tokens=(64, 128, 512, 2048, 8192, 32768)) -> None:
+    from pallas_kernels.moe import grouped
+
+    cfg = InklingConfig.bench()
+    e, h, f, k = cfg.n_routed_experts, cfg.hidden_size, cfg.expert_intermediate_size, cfg.num_experts_per_tok
+    key = jax.random.key(0)
+    w13 = (0.02 * jax.random.normal(key, (e, h, 2 * f), jnp.float32)).astype(jnp.bfloat16)
+    w2 = (0.02 * jax.random.normal(jax.random.fold_in(key, 1), (e, f, h), jnp.float32)).astype(jnp.bfloat16)
+    print(f"{jax.devices()[0].device_kind}: E={e} H={h} F={f} top-{k}")
+    print("| n | impl (bm, bn, bk, warps, stages) | ms | useful TFLOP/s | vs dense | max |diff| vs dense |")
+    print("|---:|---|---:|---:|---:|---:|")
+    for n in tokens:
+        x = jax.random.normal(jax.random.fold_in(key, 2), (n, h), jnp.float32).astype(jnp.bfloat16)
+        logits = jax.random.normal(jax.random.fold_in(key, 3), (n, e))
+        _, idx = jax.lax.top_k(logits, k)
+        wt = jax.nn.softmax(jax.random.normal(jax.random.fold_in(key, 4), (n, k)), axis=-1)
+        flops = 2 * n * k * 3 * h * f
+        dense = jax.jit(L.moe_experts_dense)
+        ref = np.asarray(dense(x, idx, wt, w13, w2), np.float32)
+        t_dense = timed(dense, x, idx, wt, w13, w2)
+        print(f"| {n} | dense | {t_dense * 1e3:.3f} | {flops / t_dense / 1e12:.0f} | 1.00x | 0 |")
+        for bm, bn, bk, nw, ns in TILINGS:
+            fn = jax.jit(lambda *a, t=(bm, bn, bk, nw, ns): grouped.moe_experts_grouped(
+                *a, bm=t[0], bn=t[1], bk=t[2], num_warps=t[3], num_stages=t[4]))
+            try:
+                out = np.asarray(fn(x, idx, wt, w13, w2), np.float32)
+                t = timed(fn, x, idx, wt, w13, w2)
+            except Exception as exc:  # a tiling Triton rejects: say so, keep going
+                print(f"| {n} | grouped {(bm, bn, bk, nw, ns)} | failed: {type(exc).__name__}: {str(exc)[:80]} |")
+                continue
+            print(f"| {n} | grouped {(bm, bn, bk, nw, ns)} | {t * 1e3:.3f} | {flops / t / 1e12:.0f} | "
+                  f"{t_dense / t:.2f}x | {np.abs(out - ref).max():.2e} |")
+
+
 def main() -> None:
+    if "--many" in sys.argv:
+        return many()
     cfg = InklingConfig.bench()
     e, h, f, k = cfg.n_routed_experts, cfg.hidden_size, cfg.expert_intermediate_size, cfg.num_experts_per_tok
     key = jax.random.key(0)

@@ -4,6 +4,7 @@ library that calls them (they take arena rows, index arrays and static sizes, no
     conv_state/  ref.py, pallas.py   fused short-conv update and window writes
     slot_ops/    ref.py, pallas.py   field reads / writes; copy and clear of unit runs
     moe/         ref.py, pallas.py   grouped mat-vec for the routed experts of a few tokens
+                 grouped.py          sorted-block grouped GEMMs for the routed experts of many
 
     conv_ops(use_pallas, interpret=False) -> ConvOps
 
@@ -18,6 +19,7 @@ has the reference's signature (`interpret` is bound):
     clear_units(arena, dst_rows, *, num_units, sink_rows) -> arena
     moe_experts(x, idx, weight, w13, w2) -> y, or None for the references (the model's MoE
         then picks its own jnp implementation)
+    moe_experts_many(x, idx, weight, w13, w2) -> y, the same for many tokens, or None
 
 `use_pallas`: False -> the jnp references; True -> the Pallas kernels; "auto" -> Pallas when
 `jax.default_backend() == "gpu"`, the references otherwise. `interpret=True` runs the Pallas
@@ -44,12 +46,13 @@ class ConvOps:
     copy_units: Callable
     clear_units: Callable
     moe_experts: Callable | None  # few-token routed experts (layers.moe_mlp's few_token_experts)
+    moe_experts_many: Callable | None  # many-token routed experts (layers.moe_mlp's many_token_experts)
     pallas: bool  # True: the Pallas kernels
     interpret: bool
 
 
 REFERENCE_OPS = ConvOps(conv_state.ref.conv_update, conv_state.ref.conv_write, slot_ops.ref.copy_units,
-                        slot_ops.ref.clear_units, None, pallas=False, interpret=False)
+                        slot_ops.ref.clear_units, None, None, pallas=False, interpret=False)
 
 
 def conv_ops(use_pallas: bool | str, interpret: bool = False) -> ConvOps:
@@ -82,6 +85,7 @@ def _pallas_ops(interpret: bool) -> ConvOps:
     return ConvOps(jitted(conv_state.pallas.conv_update, *conv, "tile"), jitted(conv_state.pallas.conv_write, *conv),
                    jitted(slot_ops.pallas.copy_units, *units), jitted(slot_ops.pallas.clear_units, *units),
                    jitted(moe.pallas.moe_experts, "tf", "bh", "splits", "num_warps", "target_programs"),
+                   jitted(moe.grouped.moe_experts_grouped, "bm", "bn", "bk", "num_warps", "num_stages"),
                    pallas=True, interpret=interpret)
 
 

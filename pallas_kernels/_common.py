@@ -18,18 +18,21 @@ def pow2_floor(n: int) -> int:
     return 1 << (max(int(n), 1).bit_length() - 1)
 
 
-def compiler_params(interpret: bool, num_warps: int):
-    """Triton compiler parameters (None in interpret mode, where they would be ignored)."""
+def compiler_params(interpret: bool, num_warps: int, num_stages: int = 1):
+    """Triton compiler parameters (None in interpret mode, where they would be ignored).
+    num_stages > 1 software-pipelines the loads of a kernel's loops (GEMM-like kernels)."""
     if interpret:
         return None
     from jax.experimental.pallas import triton as plt
 
-    return plt.CompilerParams(num_warps=num_warps, num_stages=1)
+    return plt.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
-def pallas_call(kernel, *, out_shape, grid, aliases, interpret: bool, num_warps: int, name: str):
+def pallas_call(kernel, *, out_shape, grid, aliases, interpret: bool, num_warps: int, name: str,
+                num_stages: int = 1):
     return pl.pallas_call(kernel, out_shape=out_shape, grid=grid, input_output_aliases=aliases,
-                          interpret=interpret, compiler_params=compiler_params(interpret, num_warps), name=name)
+                          interpret=interpret, compiler_params=compiler_params(interpret, num_warps, num_stages),
+                          name=name)
 
 
 def with_ref_vjp(kernel_fn, ref_fn):

@@ -540,3 +540,36 @@ def test_engine_with_pallas_kernels_matches_jnp(trunk_params):
         out[pallas] = (list(req.out_tokens), np.asarray(req.out_logprobs))
     assert out[True][0] == out[False][0]
     np.testing.assert_allclose(out[True][1], out[False][1], atol=1e-5)
+
+
+def test_engine_prefill_through_grouped_experts(trunk_params, monkeypatch):
+    """A 40-token prompt's prefill takes the many-token MoE kernels (`ConvOps.moe_experts_many`
+    from n * k >= 8 E choices: a 32-token extend step here) and generates what the jnp engine
+    does; tokens equal, log-probs within 1e-5."""
+    prompt = list(np.random.RandomState(8).randint(3, TRUNK.unpadded_vocab_size, 40))
+    kw = {**ENGINE_KW, "max_running": 1, "min_batch_bucket": 1, "chunk_size": 64, "max_step_tokens": 64}
+    out, traced = {}, []
+    kernel = pk.moe.grouped.moe_experts_grouped
+
+    def spy(x, *a, **k):  # runs when the step is traced
+        traced.append(x.shape[0])
+        return kernel(x, *a, **k)
+
+    monkeypatch.setattr(pk.moe.grouped, "moe_experts_grouped", spy)
+    pk._pallas_ops.cache_clear()  # the ops pick the spy up
+    try:
+        for pallas in (False, True):
+            with jax.default_matmul_precision("highest"):
+                engine = ik.Engine(TRUNK, trunk_params, ik.EngineConfig(**kw, use_pallas=pallas,
+                                                                      pallas_interpret=pallas and INTERPRET))
+                (req,) = engine.submit([prompt], ik.SamplingParams(max_new_tokens=4))
+                while engine.running or engine.waiting:
+                    engine.step()
+            engine.check_invariants()
+            out[pallas] = (list(req.out_tokens), np.asarray(req.out_logprobs))
+    finally:
+        monkeypatch.undo()
+        pk._pallas_ops.cache_clear()
+    assert traced and min(traced) * TRUNK.num_experts_per_tok >= 8 * TRUNK.n_routed_experts
+    assert out[True][0] == out[False][0]
+    np.testing.assert_allclose(out[True][1], out[False][1], atol=1e-5)

@@ -359,13 +359,20 @@ MOE_IMPLS = {"dense": lambda *a: moe_experts_dense(*a), "gather": lambda *a: moe
              "slices": lambda *a: moe_experts_slices(*a)}
 
 
+GROUPED_MIN_CHOICES_PER_EXPERT = 8  # many_token_experts from n * k >= this * E choices
+
+
 def moe_mlp(p: Params, cfg: InklingConfig, x: Array, experts_impl: str = "auto",
-            few_token_experts: Any = None, parallel: "ParallelAxes | None" = None) -> Array:
+            few_token_experts: Any = None, parallel: "ParallelAxes | None" = None,
+            many_token_experts: Any = None) -> Array:
     """MoE: routed top-k experts plus shared experts (sink-weighted or plain).
 
     experts_impl: a MOE_IMPLS name, or "auto": a few tokens read only their experts (one slice
     per choice, or `few_token_experts`, a function with moe_experts_slices' signature such as
-    the Pallas grouped mat-vec kernel); past 3 * n * k > E reading every expert once is cheaper.
+    the Pallas grouped mat-vec kernel); past 3 * n * k > E reading every expert once is cheaper
+    ("dense"); from n * k >= GROUPED_MIN_CHOICES_PER_EXPERT * E choices, `many_token_experts`
+    when given (same signature: the Pallas sorted-block grouped GEMMs, which compute only the
+    chosen experts; below that their padding of each expert's rows costs more than dense).
 
     With `parallel`, cfg is the local config (E / ep experts of width F / tp here) and the
     router runs on `parallel.global_cfg` (see the module docstring)."""
@@ -380,6 +387,9 @@ def moe_mlp(p: Params, cfg: InklingConfig, x: Array, experts_impl: str = "auto",
         experts_impl = "slices" if 3 * n * routing_cfg.num_experts_per_tok <= cfg.n_routed_experts else "dense"
         if experts_impl == "slices" and few_token_experts is not None:
             experts_impl = few_token_experts
+        many = n * routing_cfg.num_experts_per_tok >= GROUPED_MIN_CHOICES_PER_EXPERT * routing_cfg.n_routed_experts
+        if experts_impl == "dense" and many and many_token_experts is not None:
+            experts_impl = many_token_experts
     fn = experts_impl if callable(experts_impl) else MOE_IMPLS[experts_impl]
     out = fn(flat, idx, w, p["w13"], p["w2"]).astype(jnp.float32)
     if cfg.n_shared_experts > 0:
@@ -404,10 +414,11 @@ def moe_mlp(p: Params, cfg: InklingConfig, x: Array, experts_impl: str = "auto",
 
 
 def mlp(p: Params, cfg: InklingConfig, dense: bool, x: Array, few_token_experts: Any = None,
-        parallel: "ParallelAxes | None" = None) -> Array:
+        parallel: "ParallelAxes | None" = None, many_token_experts: Any = None) -> Array:
     if dense:
         return dense_mlp(p, cfg, x, parallel)
-    return moe_mlp(p, cfg, x, few_token_experts=few_token_experts, parallel=parallel)
+    return moe_mlp(p, cfg, x, few_token_experts=few_token_experts, parallel=parallel,
+                   many_token_experts=many_token_experts)
 
 
 # ----------------------------------------------------------------------- the layer
@@ -421,7 +432,8 @@ def decoder_layer(
     a = attention_block(p["attn"], cfg, geom, h, ctx)
     x = x + ctx.conv("attn", a, p["attn_conv"])
     h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
-    m = mlp(p["mlp"], cfg, dense, h, getattr(ctx, "few_token_experts", None), getattr(ctx, "parallel", None))
+    m = mlp(p["mlp"], cfg, dense, h, getattr(ctx, "few_token_experts", None), getattr(ctx, "parallel", None),
+            getattr(ctx, "many_token_experts", None))
     return x + ctx.conv("mlp", m, p["mlp_conv"])
 
 

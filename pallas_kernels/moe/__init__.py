@@ -1,5 +1,6 @@
-"""Routed-expert kernels for a few decoding tokens: `ref` (jnp) and `pallas` (Triton), same signatures."""
+"""Routed-expert kernels: `ref` (jnp), `pallas` (Triton grouped mat-vec, a few decoding tokens) and
+`grouped` (Triton sorted-block grouped GEMMs, many tokens), same signatures."""
 
-from . import pallas, ref
+from . import grouped, pallas, ref
 
-__all__ = ["pallas", "ref"]
+__all__ = ["grouped", "pallas", "ref"]
