@@ -30,6 +30,8 @@ The caller (serve.py) puts the repository root and bench/ on `sys.path` first.
 
 from __future__ import annotations
 
+import dataclasses
+
 import math
 import statistics
 
@@ -161,9 +163,12 @@ def section_prefill(args, cfg, params, report: Report) -> None:
     sp = ik.SamplingParams(max_new_tokens=1, stop_at_eos=False)
     peak = args.peak_tflops * 1e12
     rows = []
-    for n, length in cases:
+    kernels = ["jnp"] if args.smoke else [k for k in args.prefill_kernels.split(",") if k]
+    if set(kernels) - {"pallas", "jnp"}:
+        raise SystemExit(f"--prefill-kernels takes pallas and / or jnp, not {args.prefill_kernels!r}")
+    for (n, length), kernel in [(c, k) for c in cases for k in kernels]:
         prompts = lambda: [list(rng.randint(3, v, length)) for _ in range(n)]  # noqa: E731
-        config = prefill_config(args, n, length)
+        config = dataclasses.replace(prefill_config(args, n, length), use_pallas=kernel == "pallas")
         engine = ik.Engine(cfg, params, config)
         w = warm(engine, prompts(), sp)
         compiles0 = engine.stats()["compiles"]
@@ -180,17 +185,17 @@ def section_prefill(args, cfg, params, report: Report) -> None:
         flops_tok = prefill_flops(cfg, length)
         achieved = n * length * flops_tok / med
         st = "/".join(str(s) for s in sorted(set(steps)))
-        rows.append([f"{n} x {length}", config.max_step_tokens, config.chunk_size, st,
+        rows.append([f"{n} x {length}", kernel, config.max_step_tokens, config.chunk_size, st,
                      f"{med * 1e3:.1f} ({min(times) * 1e3:.1f}-{max(times) * 1e3:.1f})",
                      f"{n * length / med:.0f}", f"{flops_tok / 1e6:.5g}", _num(achieved / 1e12),
                      f"{_num(100 * achieved / peak)} %", f"{100 * TARGET:.0f} %",
                      "yes" if achieved >= TARGET * peak else "no",
                      f"{compiles0} (+{grew} timed{'!' if grew else ''}; warm-up {w:.1f} s)"])
-        log(f"prefill {n}x{length}: {rows[-1]}; step shapes {sorted(map(str, engine.runner.compiled))}")
+        log(f"prefill {n}x{length} {kernel}: {rows[-1]}; step shapes {sorted(map(str, engine.runner.compiled))}")
         del engine
     report.add(f"### Prefill in the engine loop (issue 17: >= {100 * TARGET:.0f} % of {args.peak_tflops:g} TFLOP/s "
                f"bf16 peak; max_new_tokens=1, prefix cache off, median of {args.prefill_reps})\n\n"
-               + table(["case", "tokens / extend step", "chunk size", "extend steps", "ms submit -> last first token",
+               + table(["case", "kernels", "tokens / extend step", "chunk size", "extend steps", "ms submit -> last first token",
                         "tok/s", "model MFLOP/token", "TFLOP/s", "% of peak", "target", "met", "compiles"], rows)
                + "\n\nModel FLOPs: useful trunk forward work per prompt token (2 x active matmul params with "
                "top-k routed experts only, the relative-bias product, causal attention averaged over the prompt, "
