@@ -195,3 +195,26 @@ def run_on_mesh_devices(test_file: str) -> None:
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
     summary = run.stdout.strip().splitlines()[-1]
     assert " passed" in summary and "skipped" not in summary and "failed" not in summary, summary
+
+
+@pytest.fixture
+def verify_triton_modules(monkeypatch):
+    """Every Pallas kernel lowered for CUDA in the test is checked by the MLIR verifier (XLA
+    parses and verifies the Triton module only when it compiles, on a GPU: an ill-typed
+    module, e.g. an scf.for whose bounds differ in type, would otherwise pass a CPU lowering
+    test). Yields the list of verified module count (one entry per kernel)."""
+    try:
+        from jax._src.pallas.triton import lowering, pallas_call_registration as reg
+    except ImportError as exc:  # a jaxlib without the Triton dialect
+        pytest.skip(f"no Triton lowering here: {exc}")
+    original = lowering.lower_jaxpr_to_triton_module
+    verified = []
+
+    def checked(*args, **kwargs):
+        result = original(*args, **kwargs)
+        assert result.module.operation.verify(), "a Triton module failed MLIR verification"
+        verified.append(1)
+        return result
+
+    monkeypatch.setattr(reg.lowering, "lower_jaxpr_to_triton_module", checked)
+    yield verified

@@ -175,7 +175,7 @@ def test_moe_experts_grad():
 
 
 @pytest.mark.skipif(has_cuda_device(), reason="abstract CUDA lowering is for machines without a GPU; the compiled tests cover a GPU")
-def test_moe_lowers_for_gpu():
+def test_moe_lowers_for_gpu(verify_triton_modules):
     """The kernel passes the Triton lowering for CUDA at the bench model's shapes (bf16 and
     fp32 weights, the unrolled and the fori_loop block walk, a w over 4 GiB with 64-bit
     offsets); runs on CPU and compiles nothing."""
@@ -288,8 +288,9 @@ def test_moe_mlp_picks_grouped_for_many_tokens():
 
 
 @pytest.mark.skipif(has_cuda_device(), reason="abstract CUDA lowering is for machines without a GPU")
-def test_grouped_lowers_for_gpu():
-    """The grouped GEMMs pass the Triton lowering for CUDA at the bench model's shapes."""
+def test_grouped_lowers_for_gpu(verify_triton_modules):
+    """The grouped GEMMs pass the Triton lowering for CUDA at the bench model's shapes, and
+    their modules pass the MLIR verifier."""
     sds = jax.ShapeDtypeStruct
     bf = jnp.bfloat16
     try:
@@ -298,4 +299,4 @@ def test_grouped_lowers_for_gpu():
             sds((32, 2048, 2048), bf), sds((32, 1024, 2048), bf)).lower(lowering_platforms=("cuda",)).as_text()
     except (ImportError, NotImplementedError) as exc:
         pytest.skip(f"no Triton lowering here: {exc}")
-    assert text.count("xla.gpu.triton") >= 2
+    assert text.count("xla.gpu.triton") >= 2 and len(verify_triton_modules) >= 2

@@ -130,7 +130,8 @@ def _grouped(x, block_expert, w, *, swiglu: bool, out_dtype, bm: int, bn: int, b
         zero = jnp.zeros((bm, bn), jnp.float32)
         init = (zero, zero) if swiglu else (zero,)
         # unused blocks (past the last expert's run) do no work: a zero trip count
-        accs = jax.lax.fori_loop(0, jnp.where(e >= 0, steps, 0), step, init)
+        trip = jnp.where(e >= 0, jnp.int32(steps), jnp.int32(0))
+        accs = jax.lax.fori_loop(jnp.int32(0), trip, step, init)
         out = jax.nn.silu(accs[0]) * accs[1] if swiglu else accs[0]
         o_ref[rows, cols] = out.astype(o_ref.dtype)
 
