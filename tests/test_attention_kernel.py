@@ -1,0 +1,220 @@
+"""The flash-style attention kernel (`pallas_kernels.attention`) against its jnp reference, and the
+reference against the model's `attention_core`: interpret mode on CPU, the compiled Triton kernel
+on a GPU. fp32 results match within 1e-5 (only summation orders differ); bf16 within 2e-2 on
+O(1) outputs (the kernel rounds the unnormalised probabilities to bf16 before p @ v, the
+reference the normalised ones; see `pallas_kernels/attention/pallas.py`). Small blocks
+(bq = bk = 16) so the test shapes span several query and key blocks."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from inkling_jax.config import AttentionGeometry, InklingConfig
+from inkling_jax.model import layers
+from pallas_kernels.attention import pallas as attn
+from pallas_kernels.attention import ref as attn_ref
+
+INTERPRET = jax.default_backend() != "gpu"
+SMALL = dict(bq=16, bk=16)
+TOL = {jnp.float32: dict(rtol=1e-5, atol=1e-5), jnp.bfloat16: dict(rtol=2e-2, atol=2e-2)}
+
+
+def rand(rng, shape, dtype=jnp.float32, scale=1.0):
+    return jnp.asarray(scale * rng.standard_normal(shape), jnp.float32).astype(dtype)
+
+
+def close(a, b, rtol, atol):
+    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=rtol, atol=atol)
+
+
+def kernel(*args, window, **kw):
+    return attn.attention(*args, window=window, **{**SMALL, **kw}, interpret=INTERPRET)
+
+
+def allowed_np(q_pos, k_pos, k_valid, window):
+    d = np.asarray(q_pos)[:, :, None].astype(np.int64) - np.asarray(k_pos)[:, None, :]
+    ok = np.asarray(k_valid)[:, None, :] & (d >= 0)
+    return ok & (d < window) if window is not None else ok
+
+
+def make_case(rng, *, b, nq, nk, h, hkv, d, e, dtype, layout, q_start, invalid_frac=0.0):
+    """Inputs with keys in `layout` order: "sorted" positions 0..nk-1, or "ring" (a sliding-window
+    ring: a shuffled permutation of the positions, some slots invalid with position -1)."""
+    q = rand(rng, (b, nq, h, d), dtype)
+    k = rand(rng, (b, nk, hkv, d), dtype)
+    v = rand(rng, (b, nk, hkv, d), dtype)
+    rel = rand(rng, (b, nq, h, e), dtype, scale=0.5)
+    q_pos = np.broadcast_to(q_start + np.arange(nq), (b, nq)).astype(np.int32)
+    k_pos = np.stack([np.arange(nk) if layout == "sorted" else rng.permutation(nk) for _ in range(b)]).astype(np.int32)
+    k_valid = rng.random((b, nk)) >= invalid_frac
+    if layout == "ring":
+        k_pos = np.where(k_valid, k_pos, -1).astype(np.int32)  # empty ring slots: negative positions
+    return q, k, v, rel, jnp.asarray(q_pos), jnp.asarray(k_pos), jnp.asarray(k_valid)
+
+
+CASES = {
+    # name: (dtype, H, Hkv, window, Q, K, E, key layout, first query position, invalid fraction)
+    "f32_mha_causal": (jnp.float32, 2, 2, None, 37, 83, 64, "sorted", 46, 0.0),  # extend: queries = last keys
+    "f32_gqa4_ring_window": (jnp.float32, 4, 1, 20, 29, 50, 20, "ring", 30, 0.25),
+    "f32_gqa8_beyond_E": (jnp.float32, 8, 1, None, 21, 70, 12, "sorted", 49, 0.1),  # most distances >= E
+    "bf16_gqa4_ring_window": (jnp.bfloat16, 8, 2, 24, 40, 64, 24, "ring", 40, 0.2),
+    "bf16_gqa8_causal": (jnp.bfloat16, 8, 1, None, 33, 48, 32, "sorted", 15, 0.0),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_kernel_matches_reference(name):
+    dtype, h, hkv, window, nq, nk, e, layout, q_start, invalid = CASES[name]
+    rng = np.random.default_rng(sum(map(ord, name)))
+    args = make_case(rng, b=2, nq=nq, nk=nk, h=h, hkv=hkv, d=16, e=e, dtype=dtype, layout=layout, q_start=q_start,
+                     invalid_frac=invalid)
+    out = kernel(*args, window=window)
+    want = attn_ref.attention(*args, window=window)
+    assert out.shape == args[0].shape and out.dtype == dtype
+    close(out, want, **TOL[dtype])
+    # rows with an allowed key are not zero; the others are exactly zero
+    has_key = allowed_np(args[4], args[5], args[6], window).any(-1)  # [B, Q]
+    norms = np.abs(np.asarray(out, np.float32)).sum(axis=(2, 3))
+    assert has_key.any() and (norms[has_key] > 0).all()
+    assert (norms[~has_key] == 0).all()
+    if name == "f32_gqa8_beyond_E":  # the bias matters where it applies: without it the result differs
+        no_bias = attn_ref.attention(*args[:3], jnp.zeros_like(args[3]), *args[4:], window=window)
+        assert float(jnp.max(jnp.abs(no_bias - want))) > 1e-3
+
+
+def test_queries_without_allowed_keys_give_zeros():
+    """Queries before every key, a batch row whose keys are all invalid, and (window) queries whose
+    keys are all too old: zeros, exactly; the other queries are not."""
+    rng = np.random.default_rng(7)
+    q, k, v, rel, _, k_pos, k_valid = make_case(rng, b=3, nq=20, nk=40, h=4, hkv=2, d=16, e=16, dtype=jnp.float32,
+                                                layout="sorted", q_start=0)
+    k_pos = k_pos + 10  # keys at 10..49
+    q_pos = jnp.asarray(np.stack([np.arange(20),  # queries 0..9 precede every key
+                                  np.arange(20) + 30,  # row 1: all keys invalid below
+                                  np.arange(20) * 5]), jnp.int32)  # row 2: late queries outrun the window
+    k_valid = k_valid.at[1].set(False)
+    window = 12
+    out = kernel(q, k, v, rel, q_pos, k_pos, k_valid, window=window)
+    close(out, attn_ref.attention(q, k, v, rel, q_pos, k_pos, k_valid, window=window), rtol=1e-5, atol=1e-5)
+    has_key = allowed_np(q_pos, k_pos, k_valid, window).any(-1)
+    assert not has_key[0, :10].any() and has_key[0, 10:].all() and not has_key[1].any()
+    assert has_key[2].any() and not has_key[2].all()
+    o = np.asarray(out)
+    assert (o[~has_key] == 0).all()
+    assert (np.abs(o[has_key]).sum(-1) > 0).all()
+
+
+@pytest.mark.parametrize("window", [None, 16])
+def test_dead_key_blocks_are_skipped(window):
+    """Whole key blocks in the future (and, windowed, too old; and all-invalid) are never read:
+    NaN in their keys and values does not reach the output, which equals the reference's with
+    those blocks zeroed. The live-block lists are the blocks with an allowed pair."""
+    rng = np.random.default_rng(11 + (window or 0))
+    bq, bk = SMALL["bq"], SMALL["bk"]
+    q, k, v, rel, q_pos, k_pos, k_valid = make_case(rng, b=2, nq=40, nk=96, h=4, hkv=1, d=16, e=32,
+                                                    dtype=jnp.float32, layout="sorted", q_start=20)
+    k_valid = k_valid.at[0, 32:48].set(False)  # row 0: key block 2 has no valid key
+    nk_blocks = 96 // bk
+    q_pad = jnp.pad(q_pos, ((0, 0), (0, 48 - 40)), mode="edge")
+    order, count = attn.live_blocks(q_pad, k_pos, k_valid, window, bq, bk)
+    allowed = allowed_np(q_pad, k_pos, k_valid, window)  # [B, Qp, K]
+    pair = allowed.reshape(2, 3, bq, nk_blocks, bk).any(axis=(2, 4))  # [B, nq, nk]: block holds an allowed pair
+    order, count = np.asarray(order), np.asarray(count)
+    for bi in range(2):
+        for i in range(3):
+            live = set(order[bi, i, :count[bi, i]].tolist())
+            assert set(np.nonzero(pair[bi, i])[0].tolist()) <= live  # conservative
+            assert sorted(live) == order[bi, i, :count[bi, i]].tolist()  # ascending
+    assert (count < nk_blocks).all()
+    dead = ~pair.any(axis=1)  # [B, nk]: key blocks no query block uses
+    assert dead.sum() >= 3  # the future blocks (keys >= 68), row 0's invalid block, (window) the old ones
+    dead_keys = jnp.asarray(np.repeat(dead, bk, axis=1))[:, :, None, None]
+    poisoned_k = jnp.where(dead_keys, jnp.nan, k)
+    poisoned_v = jnp.where(dead_keys, jnp.nan, v)
+    out = kernel(q, poisoned_k, poisoned_v, rel, q_pos, k_pos, k_valid, window=window)
+    want = attn_ref.attention(q, jnp.where(dead_keys, 0.0, k), jnp.where(dead_keys, 0.0, v), rel, q_pos, k_pos,
+                              k_valid, window=window)
+    assert np.isfinite(np.asarray(out)).all()
+    close(out, want, rtol=1e-5, atol=1e-5)
+    assert float(jnp.abs(out).max()) > 0.1
+
+
+def test_default_blocks_and_fallback():
+    """Default tiling (blocks shrunk to the small shape), and a head dim Triton cannot tile (not a
+    power of two): the reference."""
+    rng = np.random.default_rng(3)
+    args = make_case(rng, b=1, nq=9, nk=30, h=4, hkv=2, d=32, e=16, dtype=jnp.float32, layout="sorted", q_start=21)
+    out = attn.attention(*args, window=None, interpret=INTERPRET)
+    close(out, attn_ref.attention(*args, window=None), rtol=1e-5, atol=1e-5)
+    args = make_case(rng, b=1, nq=9, nk=30, h=4, hkv=2, d=12, e=16, dtype=jnp.float32, layout="sorted", q_start=21)
+    out = attn.attention(*args, window=8, interpret=INTERPRET)
+    close(out, attn_ref.attention(*args, window=8), rtol=1e-6, atol=1e-6)
+    assert float(jnp.abs(out).max()) > 0.1
+
+
+def test_gradient_is_the_reference_vjp():
+    rng = np.random.default_rng(5)
+    q, k, v, rel, q_pos, k_pos, k_valid = make_case(rng, b=1, nq=17, nk=24, h=4, hkv=2, d=16, e=16,
+                                                    dtype=jnp.float32, layout="ring", q_start=8, invalid_frac=0.2)
+    w = rand(rng, q.shape)
+
+    def loss(fn, q, k, v, rel):
+        return jnp.sum(fn(q, k, v, rel, q_pos, k_pos, k_valid, window=12) * w)
+
+    got = jax.grad(lambda *a: loss(lambda *b, **kw: kernel(*b, **kw), *a), argnums=(0, 1, 2, 3))(q, k, v, rel)
+    want = jax.grad(lambda *a: loss(attn_ref.attention, *a), argnums=(0, 1, 2, 3))(q, k, v, rel)
+    for g, gw in zip(got, want):
+        close(g, gw, rtol=1e-5, atol=1e-5)
+        assert float(jnp.abs(gw).max()) > 0
+
+
+# ------------------------------------------------------------------ reference vs attention_core
+
+
+GEOMS = {
+    "full_log_scaling": AttentionGeometry(False, 8, 2, 16, rel_extent=24, window=None, log_scaling=True),
+    "sliding_window": AttentionGeometry(True, 4, 1, 16, rel_extent=12, window=12, log_scaling=False),
+}
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("geom_name", list(GEOMS))
+def test_reference_matches_attention_core(geom_name, dtype):
+    """ref.attention with the caller's rel = r @ rel_proj and tau applied as attention_core does
+    equals attention_core with a single key block (fp32: 1e-5; bf16: the same roundings, only
+    the einsum summation orders may differ: 2e-2)."""
+    geom = GEOMS[geom_name]
+    cfg = InklingConfig.tiny(log_scaling_n_floor=8, log_scaling_alpha=0.3, d_rel=4)
+    rng = np.random.default_rng(17 + len(geom_name))
+    b, nq, nk, nh, nkv, hd = 2, 20, 48, geom.num_heads, geom.num_kv_heads, geom.head_dim
+    q, k, v = rand(rng, (b, nq, nh, hd), dtype), rand(rng, (b, nk, nkv, hd), dtype), rand(rng, (b, nk, nkv, hd), dtype)
+    r = rand(rng, (b, nq, nh, cfg.d_rel), dtype)
+    rel_proj = rand(rng, (cfg.d_rel, geom.rel_extent), jnp.float32, scale=0.5)
+    q_pos = jnp.asarray(np.broadcast_to(np.arange(nq) + 40, (b, nq)), jnp.int32)  # tau > 1 from pos 8 on
+    if geom.window is None:
+        k_pos = np.broadcast_to(np.arange(nk) + 12, (b, nk))
+        k_valid = rng.random((b, nk)) > 0.15
+    else:  # ring order, empty slots at -1
+        k_pos = np.stack([rng.permutation(nk) + 12 for _ in range(b)])
+        k_valid = rng.random((b, nk)) > 0.25
+        k_pos = np.where(k_valid, k_pos, -1)
+    k_pos, k_valid = jnp.asarray(k_pos, jnp.int32), jnp.asarray(k_valid)
+
+    want = layers.attention_core(q, k, v, r, rel_proj, q_pos, k_pos, k_valid, geom, cfg)
+    rel = jnp.einsum("bqhr,re->bqhe", r, rel_proj.astype(r.dtype), preferred_element_type=jnp.float32).astype(dtype)
+    qs = q
+    if geom.log_scaling:
+        tau = layers.log_scaling_tau(q_pos, cfg)
+        assert float(tau.max()) > 1.2
+        qs = (q.astype(jnp.float32) * tau[:, :, None, None]).astype(dtype)
+        rel = (rel.astype(jnp.float32) * tau[:, :, None, None]).astype(dtype)
+    got = attn_ref.attention(qs, k, v, rel, q_pos, k_pos, k_valid, window=geom.window)
+    assert got.dtype == want.dtype == dtype
+    close(got, want, **TOL[dtype])
+    assert float(jnp.abs(want.astype(jnp.float32)).max()) > 0.1
+    if dtype == jnp.float32:  # and the kernel against attention_core directly
+        out = kernel(qs, k, v, rel, q_pos, k_pos, k_valid, window=geom.window)
+        close(out, want, rtol=1e-5, atol=1e-5)
