@@ -3,6 +3,7 @@ library that calls them (they take arena rows, index arrays and static sizes, no
 
     conv_state/  ref.py, pallas.py   fused short-conv update and window writes
     slot_ops/    ref.py, pallas.py   field reads / writes; copy and clear of unit runs
+    attention/   ref.py, pallas.py   flash-style attention with the relative bias (prefill / extend)
     moe/         ref.py, pallas.py   grouped mat-vec for the routed experts of a few tokens
                  grouped.py          sorted-block grouped GEMMs for the routed experts of many
 
@@ -20,6 +21,8 @@ has the reference's signature (`interpret` is bound):
     moe_experts(x, idx, weight, w13, w2) -> y, or None for the references (the model's MoE
         then picks its own jnp implementation)
     moe_experts_many(x, idx, weight, w13, w2) -> y, the same for many tokens, or None
+    attention(q, k, v, rel, q_pos, k_pos, k_valid, *, window) -> out, or None (the model's
+        attention_core materialises the scores then)
 
 `use_pallas`: False -> the jnp references; True -> the Pallas kernels; "auto" -> Pallas when
 `jax.default_backend() == "gpu"`, the references otherwise. `interpret=True` runs the Pallas
@@ -34,7 +37,7 @@ from typing import Callable
 
 import jax
 
-from . import conv_state, moe, slot_ops
+from . import attention, conv_state, moe, slot_ops
 
 
 @dataclass(frozen=True)
@@ -47,12 +50,14 @@ class ConvOps:
     clear_units: Callable
     moe_experts: Callable | None  # few-token routed experts (layers.moe_mlp's few_token_experts)
     moe_experts_many: Callable | None  # many-token routed experts (layers.moe_mlp's many_token_experts)
+    attention: Callable | None  # fused attention of many queries (steps.context.StepContext.attend)
     pallas: bool  # True: the Pallas kernels
     interpret: bool
 
 
 REFERENCE_OPS = ConvOps(conv_state.ref.conv_update, conv_state.ref.conv_write, slot_ops.ref.copy_units,
-                        slot_ops.ref.clear_units, None, None, pallas=False, interpret=False)
+                        slot_ops.ref.clear_units, None, None, None, pallas=False,
+                        interpret=False)
 
 
 def conv_ops(use_pallas: bool | str, interpret: bool = False) -> ConvOps:
@@ -86,7 +91,8 @@ def _pallas_ops(interpret: bool) -> ConvOps:
                    jitted(slot_ops.pallas.copy_units, *units), jitted(slot_ops.pallas.clear_units, *units),
                    jitted(moe.pallas.moe_experts, "tf", "bh", "splits", "num_warps", "target_programs"),
                    jitted(moe.grouped.moe_experts_grouped, "bm", "bn", "bk", "num_warps", "num_stages"),
+                   jitted(attention.pallas.attention, "window", "bq", "bk", "num_warps", "num_stages"),
                    pallas=True, interpret=interpret)
 
 
-__all__ = ["ConvOps", "REFERENCE_OPS", "conv_ops", "conv_state", "moe", "slot_ops"]
+__all__ = ["ConvOps", "REFERENCE_OPS", "attention", "conv_ops", "conv_state", "moe", "slot_ops"]

@@ -183,7 +183,7 @@ GEOMS = {
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("geom_name", list(GEOMS))
 def test_reference_matches_attention_core(geom_name, dtype):
-    """ref.attention with the caller's rel = r @ rel_proj and tau applied as attention_core does
+    """ref.attention with the caller's rel = r @ rel_proj and tau applied by layers.attention_tables
     equals attention_core with a single key block (fp32: 1e-5; bf16: the same roundings, only
     the einsum summation orders may differ: 2e-2)."""
     geom = GEOMS[geom_name]
@@ -204,13 +204,10 @@ def test_reference_matches_attention_core(geom_name, dtype):
     k_pos, k_valid = jnp.asarray(k_pos, jnp.int32), jnp.asarray(k_valid)
 
     want = layers.attention_core(q, k, v, r, rel_proj, q_pos, k_pos, k_valid, geom, cfg)
-    rel = jnp.einsum("bqhr,re->bqhe", r, rel_proj.astype(r.dtype), preferred_element_type=jnp.float32).astype(dtype)
-    qs = q
+    qs, rel = layers.attention_tables(q, r, rel_proj, q_pos, geom, cfg)  # the engine's glue to the kernel
     if geom.log_scaling:
-        tau = layers.log_scaling_tau(q_pos, cfg)
-        assert float(tau.max()) > 1.2
-        qs = (q.astype(jnp.float32) * tau[:, :, None, None]).astype(dtype)
-        rel = (rel.astype(jnp.float32) * tau[:, :, None, None]).astype(dtype)
+        assert float(layers.log_scaling_tau(q_pos, cfg).max()) > 1.2
+        assert not np.array_equal(np.asarray(qs, np.float32), np.asarray(q, np.float32))
     got = attn_ref.attention(qs, k, v, rel, q_pos, k_pos, k_valid, window=geom.window)
     assert got.dtype == want.dtype == dtype
     close(got, want, **TOL[dtype])

@@ -542,21 +542,28 @@ def test_engine_with_pallas_kernels_matches_jnp(trunk_params):
     np.testing.assert_allclose(out[True][1], out[False][1], atol=1e-5)
 
 
-def test_engine_prefill_through_grouped_experts(trunk_params, monkeypatch):
-    """A 40-token prompt's prefill takes the many-token MoE kernels (`ConvOps.moe_experts_many`
-    from n * k >= 8 E choices: a 32-token extend step here) and generates what the jnp engine
-    does; tokens equal, log-probs within 1e-5."""
+def test_engine_prefill_through_fused_kernels(trunk_params, monkeypatch):
+    """A 40-token prompt's prefill takes the many-query kernels: the flash attention
+    (`ConvOps.attention`, rows of >= 32 queries) and the grouped-GEMM experts
+    (`ConvOps.moe_experts_many`; their threshold lowered to 8 choices per expert so the tiny
+    model's 32-token step reaches it) and generates what the jnp engine does: tokens equal,
+    log-probs within 1e-5."""
+    from inkling_jax.model import layers
+
     prompt = list(np.random.RandomState(8).randint(3, TRUNK.unpadded_vocab_size, 40))
     kw = {**ENGINE_KW, "max_running": 1, "min_batch_bucket": 1, "chunk_size": 64, "max_step_tokens": 64}
-    out, traced = {}, []
-    kernel = pk.moe.grouped.moe_experts_grouped
+    out, traced = {}, {"experts": [], "attention": []}
 
-    def spy(x, *a, **k):  # runs when the step is traced
-        traced.append(x.shape[0])
-        return kernel(x, *a, **k)
+    def spy(name, kernel):
+        def fn(x, *a, **k):  # runs when the step is traced
+            traced[name].append(x.shape)
+            return kernel(x, *a, **k)
+        return fn
 
-    monkeypatch.setattr(pk.moe.grouped, "moe_experts_grouped", spy)
-    pk._pallas_ops.cache_clear()  # the ops pick the spy up
+    monkeypatch.setattr(pk.moe.grouped, "moe_experts_grouped", spy("experts", pk.moe.grouped.moe_experts_grouped))
+    monkeypatch.setattr(pk.attention.pallas, "attention", spy("attention", pk.attention.pallas.attention))
+    monkeypatch.setattr(layers, "GROUPED_MIN_CHOICES_PER_EXPERT", 8)
+    pk._pallas_ops.cache_clear()  # the ops pick the spies up
     try:
         for pallas in (False, True):
             with jax.default_matmul_precision("highest"):
@@ -570,6 +577,7 @@ def test_engine_prefill_through_grouped_experts(trunk_params, monkeypatch):
     finally:
         monkeypatch.undo()
         pk._pallas_ops.cache_clear()
-    assert traced and min(traced) * TRUNK.num_experts_per_tok >= 8 * TRUNK.n_routed_experts
+    assert traced["experts"] and min(s[0] for s in traced["experts"]) * TRUNK.num_experts_per_tok >= 8 * 8
+    assert len(traced["attention"]) == 2 and traced["attention"][0][1] >= 32  # traced once per window kind
     assert out[True][0] == out[False][0]
     np.testing.assert_allclose(out[True][1], out[False][1], atol=1e-5)

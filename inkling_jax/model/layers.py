@@ -234,6 +234,22 @@ def attention_core(
     return out.astype(dtype).reshape(b, tq, nh, hd)
 
 
+def attention_tables(q: Float[Array, "b tq nh hd"], r: Float[Array, "b tq nh dr"], rel_proj: Float[Array, "dr e"],
+                     q_pos: Int[Array, "b tq"], geom: AttentionGeometry, cfg: InklingConfig
+                     ) -> tuple[Float[Array, "b tq nh hd"], Float[Array, "b tq nh e"]]:
+    """The inputs of a fused attention kernel (`pallas_kernels.attention`), rounded as
+    `attention_core` rounds them: q times tau(pos_q) on log-scaling layers, and the bias
+    table rel[b, q, h, d] = (r @ rel_proj) in q's dtype, times tau in fp32 and rounded again
+    (attention_core gathers first and scales after: the same elementwise values)."""
+    dtype = q.dtype
+    rel = jnp.einsum("bqhr,re->bqhe", r, rel_proj.astype(r.dtype), preferred_element_type=jnp.float32).astype(dtype)
+    if geom.log_scaling:
+        tau = log_scaling_tau(q_pos, cfg)[:, :, None, None]
+        q = (q.astype(jnp.float32) * tau).astype(dtype)
+        rel = (rel.astype(jnp.float32) * tau).astype(dtype)
+    return q, rel
+
+
 def split_qkvr(p: Params, x: Array, geom: AttentionGeometry, cfg: InklingConfig) -> tuple[Array, Array, Array, Array]:
     """The q / k / v / r projections, from a fused `wqkvr` [H, q|k|v|r] or separate weights."""
     if "wqkvr" in p:
@@ -359,7 +375,10 @@ MOE_IMPLS = {"dense": lambda *a: moe_experts_dense(*a), "gather": lambda *a: moe
              "slices": lambda *a: moe_experts_slices(*a)}
 
 
-GROUPED_MIN_CHOICES_PER_EXPERT = 8  # many_token_experts from n * k >= this * E choices
+# many_token_experts from n * k >= this * E choices: on the H200 (bench model, bench/moe_micro.py
+# --many) the grouped GEMMs ran 0.6x dense at 128 tokens (16 choices per expert), 1.1x at 512
+# (64), 2.4x at 2048, 5.8x at 32768
+GROUPED_MIN_CHOICES_PER_EXPERT = 64
 
 
 def moe_mlp(p: Params, cfg: InklingConfig, x: Array, experts_impl: str = "auto",

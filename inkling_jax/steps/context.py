@@ -24,6 +24,9 @@ from ..config import AttentionGeometry, InklingConfig
 from ..model import layers as L
 
 
+FUSED_ATTENTION_MIN_QUERY = 32  # query rows per row from which `ops.attention` (flash kernel) is used
+
+
 @jax.tree_util.register_dataclass
 @dataclass
 class RowMeta:
@@ -106,8 +109,16 @@ class StepContext:
             ctx_k, ctx_v, ctx_pos, ctx_valid, old_ring = self._ring_keys(geom)
         else:
             ctx_k, ctx_v, ctx_pos, ctx_valid = self._page_keys(geom)
-        out = L.attention_core(qp, (ctx_k, kp), (ctx_v, vp), rp, rel_proj, q_pos, (ctx_pos, q_pos),
-                               (ctx_valid, q_valid), geom, self.cfg)
+        if self.ops.attention is not None and qn >= FUSED_ATTENTION_MIN_QUERY:
+            # one key set (context, then the step's own tokens) through the flash kernel
+            qs, rel = L.attention_tables(qp, rp, rel_proj, q_pos, geom, self.cfg)
+            out = self.ops.attention(qs, jnp.concatenate([ctx_k.astype(kp.dtype), kp], axis=1),
+                                     jnp.concatenate([ctx_v.astype(vp.dtype), vp], axis=1), rel, q_pos,
+                                     jnp.concatenate([ctx_pos, q_pos], axis=1),
+                                     jnp.concatenate([ctx_valid, q_valid], axis=1), window=geom.window)
+        else:
+            out = L.attention_core(qp, (ctx_k, kp), (ctx_v, vp), rp, rel_proj, q_pos, (ctx_pos, q_pos),
+                                   (ctx_valid, q_valid), geom, self.cfg)
 
         if geom.is_sliding:
             f = self.fields.ring
