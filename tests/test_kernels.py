@@ -519,35 +519,14 @@ def test_kernels_lower_for_gpu(verify_triton_modules):
     lower(lambda a, s, d: pslot.copy_units(a, s, d), arena, i32(64), i32(64))
 
 
-def test_engine_with_pallas_kernels_matches_jnp(trunk_params):
+def test_engine_with_pallas_kernels_matches_jnp(trunk_params, monkeypatch):
     """The engine wired to the Pallas ops (interpret mode on CPU, compiled on a GPU) generates
-    what the jnp engine generates: one request at batch 1, so the decode steps
-    also take the few-token MoE kernel (`ConvOps.moe_experts`). Tokens equal; log-probs within
-    1e-5 (the MoE kernel sums in another order than XLA)."""
-    prompt = list(np.random.RandomState(4).randint(3, TRUNK.unpadded_vocab_size, 11))
-    out = {}
-    for pallas in (False, True):
-        kw = {**ENGINE_KW, "max_running": 1, "min_batch_bucket": 1, "use_pallas": pallas,
-              "pallas_interpret": pallas and INTERPRET}
-        with jax.default_matmul_precision("highest"):  # true f32 products on a GPU too (not TF32)
-            engine = ik.Engine(TRUNK, trunk_params, ik.EngineConfig(**kw))
-            if pallas:
-                assert engine.runner.ops.moe_experts is not None
-            (req,) = engine.submit([prompt], ik.SamplingParams(max_new_tokens=6))
-            while engine.running or engine.waiting:
-                engine.step()
-        engine.check_invariants()
-        out[pallas] = (list(req.out_tokens), np.asarray(req.out_logprobs))
-    assert out[True][0] == out[False][0]
-    np.testing.assert_allclose(out[True][1], out[False][1], atol=1e-5)
-
-
-def test_engine_prefill_through_fused_kernels(trunk_params, monkeypatch):
-    """A 40-token prompt's prefill takes the many-query kernels: the flash attention
-    (`ConvOps.attention`, rows of >= 32 queries) and the grouped-GEMM experts
-    (`ConvOps.moe_experts_many`; their threshold lowered to 8 choices per expert so the tiny
-    model's 32-token step reaches it) and generates what the jnp engine does: tokens equal,
-    log-probs within 1e-5."""
+    what the jnp engine generates: one 40-token request, whose prefill takes the many-query
+    kernels, the flash attention (`ConvOps.attention`, rows of >= 32 queries) and the
+    grouped-GEMM experts (`ConvOps.moe_experts_many`; their threshold lowered to 8 choices per
+    expert so the tiny model's 32-token step reaches it), and whose batch-1 decode steps take
+    the few-token MoE kernel (`ConvOps.moe_experts`). Tokens equal; log-probs within 1e-5
+    (the kernels sum in other orders than XLA)."""
     from inkling_jax.model import layers
 
     prompt = list(np.random.RandomState(8).randint(3, TRUNK.unpadded_vocab_size, 40))
