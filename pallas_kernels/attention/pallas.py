@@ -1,7 +1,7 @@
 """Pallas kernel for Inkling attention in prefill / extend steps: flash-style (online softmax),
 the scores and the gathered relative bias never in HBM.
 
-    attention(q, k, v, rel, q_pos, k_pos, k_valid, *, window, bq=64, bk=64, num_warps=4,
+    attention(q, k, v, rel, q_pos, k_pos, k_valid, *, window, bq=128, bk=128, num_warps=8,
               num_stages=2, interpret=False) -> out [B, Q, H, D] in q's dtype
 
     q [B, Q, H, D], k / v [B, K, Hkv, D] (H % Hkv == 0, head h reads kv head h // (H // Hkv)),
@@ -72,9 +72,11 @@ from jaxtyping import Array, Bool, Float, Int
 from .._common import INT32_MAX, pallas_call, with_ref_vjp
 from . import ref
 
-BQ = 64  # queries per program
-BK = 64  # keys per block of the loop
-NUM_WARPS = 4
+# H200, bench prefill shapes (bench/attention_micro.py): 128 x 128 tiles with 8 warps ran
+# 1.18-1.35x the 64 x 64 / 4-warp tiles on full and sliding layers at 8 x 1024 and 1 x 8192
+BQ = 128  # queries per program
+BK = 128  # keys per block of the loop
+NUM_WARPS = 8
 NUM_STAGES = 2
 MIN_BLOCK = 16  # Triton dots need every dimension >= 16
 INT32_MIN = -(2**31)
