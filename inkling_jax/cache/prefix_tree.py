@@ -48,8 +48,14 @@ class PrefixTree:
 
     def match(self, tokens: list[int], max_depth: int) -> Match:
         """Deepest checkpointed prefix of `tokens` no longer than max_depth."""
+        found = self.matches(tokens, max_depth)
+        return found[0] if found else Match(self.root, 0, [])
+
+    def matches(self, tokens: list[int], max_depth: int) -> list[Match]:
+        """Every checkpointed prefix of `tokens` no longer than max_depth, deepest first
+        (a shallower one pins fewer of the path's checkpoints while it is locked)."""
         ps = self.page_size
-        node, pages, best = self.root, [], Match(self.root, 0, [])
+        node, pages, found = self.root, [], []
         pos = 0
         while True:
             child = node.children.get(self._key(tokens[pos:]))
@@ -62,10 +68,10 @@ class PrefixTree:
             pos += len(child.tokens)
             node = child
             if node.checkpoint is not None and node.depth <= max_depth:
-                best = Match(node, node.depth, list(pages))
+                found.append(Match(node, node.depth, list(pages)))
             if pos > max_depth:
                 break
-        return best
+        return found[::-1]
 
     def lock(self, node: Node) -> None:
         t = next(self._clock)
@@ -169,6 +175,20 @@ class PrefixTree:
             if n is not self.root and n.lock_ref == 0:
                 slots += n.checkpoint is not None
                 pages += len(n.pages)
+        return slots, pages
+
+    def pinned_by(self, nodes) -> tuple[int, int]:
+        """(slots, pages) that locks on `nodes` keep from eviction: the checkpoints and pages
+        of every node on their paths to the root, each node counted once however many of
+        them share it."""
+        seen: set[int] = set()
+        slots = pages = 0
+        for node in nodes:
+            while node is not None and node is not self.root and id(node) not in seen:
+                seen.add(id(node))
+                slots += node.checkpoint is not None
+                pages += len(node.pages)
+                node = node.parent
         return slots, pages
 
     # ---------------------------------------------------------------- accounting

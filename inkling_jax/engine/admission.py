@@ -102,15 +102,23 @@ class Admission:
     def final_length(self, r: Request) -> int:
         return len(r.tokens) + r.sampling.max_new_tokens + self.config.spec_steps
 
-    def admit(self, r: Request) -> bool:
-        """Give r its slots, pages and prefix; False (nothing changed) if it must wait."""
+    def admit(self, r: Request, shallower: bool = False) -> bool:
+        """Give r its slots, pages and prefix; False (nothing changed but evictions) if it must
+        wait. It tries its deepest cached prefix; with `shallower` (nothing runs, so no step
+        will free room) also each shallower cached prefix, then none. A locked prefix pins
+        every checkpoint on its path, so a deep hit can need room the request without it does
+        not: `never_fits` counts no prefix, and with `shallower` admission agrees with it."""
         sess = r.session
         if sess is not None and sess.held is not None:
             return self._admit_session_turn(r)
-        match = None
-        if self.tree is not None:
-            match = self.tree.match(r.tokens, max_depth=len(r.tokens) - 1)
-        depth = match.depth if match else 0
+        found = self.tree.matches(r.tokens, max_depth=len(r.tokens) - 1) if self.tree is not None else []
+        options = found[:1] if found and not shallower else found + [None]
+        return any(self._admit_with(r, match) for match in options)
+
+    def _admit_with(self, r: Request, match) -> bool:
+        """Admit r reading `match`'s cached prefix (None: nothing cached); False, with nothing
+        taken and the prefix unlocked again, if it does not fit."""
+        depth = match.depth if match is not None else 0
         total_pages = self.pages_for(self.final_length(r)) - depth // self.config.page_size
         if depth:
             self.tree.lock(match.node)  # eviction for this request's slots must spare its prefix
@@ -138,12 +146,18 @@ class Admission:
         r.held = held
         return True
 
+    def _track_slots_needed(self, held: Resources) -> list[int]:
+        """The checkpoint slots a session turn takes back at admission (eager ping-pong keeps
+        both at hand; lazy takes them around boundaries)."""
+        if self.config.ping_pong != "eager" or self.tree is None:
+            return []
+        return [i for i, s in enumerate(held.virtual_track_slots) if s == -1]
+
     def _admit_session_turn(self, r: Request) -> bool:
         """A session's next turn takes over the state its last turn left (plus any checkpoint
         slots eager ping-pong needs back)."""
         held = r.session.held
-        need_track = [i for i, s in enumerate(held.virtual_track_slots) if s == -1] \
-            if self.config.ping_pong == "eager" and self.tree is not None else []
+        need_track = self._track_slots_needed(held)
         total_pages = max(self.pages_for(self.final_length(r)) - len(held.virtual_pages), 0)
         got = self.try_alloc(len(need_track), 0, reserve=total_pages)
         if got is None:
@@ -157,16 +171,17 @@ class Admission:
     def admit_waiting(self, waiting: list[Request]) -> list[Request]:
         """Admit queued requests in order while rows are free; a request that must wait holds
         up the ones behind it while others run (they will free room). With nothing running,
-        a request that does not fit is passed over (a session turn behind it needs no new
-        room), and one that cannot fit even into an empty pool beside the sessions' state is
-        given up: it leaves the queue with `error` set. If then nothing runs and nothing was
-        admitted, no step can free room (the tree was evicted for it): every waiting request is
-        given up rather than waited on forever. Returns the given-up requests."""
+        a request is admitted whenever `never_fits` says it fits (with a shallower cached
+        prefix, or none, if its deepest one pins too much); one that does not is given up: it
+        leaves the queue with `error` set (a session turn behind it needs no new room). A last
+        guard: should nothing run and nothing be admitted all the same (accounting that
+        disagrees with `never_fits`: a bug), every waiting request is given up rather than
+        waited on forever. Returns the given-up requests."""
         given_up = []
         i = 0
         while i < len(waiting) and len(self.running) < self.config.max_running:
             r = waiting[i]
-            if self.admit(r):
+            if self.admit(r, shallower=not self.running):
                 waiting.pop(i)
                 self.running.append(r)
                 continue
@@ -192,38 +207,45 @@ class Admission:
 
     # ------------------------------------------------------------- capacity checks
 
-    def session_holdings(self, sessions) -> tuple[int, int]:
-        """(slots, pages) sessions keep between turns: not free for other requests until closed."""
+    def session_holdings(self, sessions) -> tuple[int, int, int, int]:
+        """(slots, pages, tree slots, tree pages) sessions keep between turns, not free for
+        other requests until closed: what they own, plus the prefix-cache entries their
+        locked prefixes pin (every checkpoint and page on those paths, each counted once);
+        the first two include the last two."""
         held = [s.held for s in sessions if s.held is not None]
-        return sum(len(h.slots()) for h in held), sum(len(h.owned_pages) for h in held)
+        tree_s, tree_p = self.tree.pinned_by([h.prefix_node for h in held if h.prefix_node is not None]) \
+            if self.tree is not None else (0, 0)
+        return (sum(len(h.slots()) for h in held) + tree_s, sum(len(h.owned_pages) for h in held) + tree_p,
+                tree_s, tree_p)
 
     def needs(self, r: Request) -> tuple[int, int]:
         """(slots, pages) r needs at admission in the worst case (nothing cached)."""
         if r.session is not None and r.session.held is not None:
             held = r.session.held
-            return 2 - len([s for s in held.virtual_track_slots if s > 0]), \
+            return len(self._track_slots_needed(held)), \
                 max(self.pages_for(self.final_length(r)) - len(held.virtual_pages), 0)
         return self.slots_per_request, self.pages_for(self.final_length(r))
 
     def never_fits(self, r: Request) -> str | None:
-        """Why r could not be admitted even into a pool holding only the sessions' state (and
-        its own session's), or None when it can."""
+        """Why r could not be admitted even with nothing running and the prefix cache evicted
+        down to what open sessions pin (r's own session included), or None when it can: then
+        `admit(r, shallower=True)` succeeds with nothing running."""
         slots, pages = self.needs(r)
-        own = r.session.held if r.session is not None else None
-        held_s, held_p = self.session_holdings(s for s in self.sessions.values() if s.held is not own)
+        held_s, held_p, tree_s, tree_p = self.session_holdings(self.sessions.values())
+        pinned = f", {tree_s} slots and {tree_p} pages of them in prefix-cache entries their prefixes lock" \
+            if tree_s or tree_p else ""
         pool = self.pool
         if pool.unified:
             need = slots * pool.slots.units + pages * pool.pages.units
             have = pool.num_units - pool.slots.units - pool.pages.units - held_s * pool.slots.units \
-                - held_p * pool.pages.units - (len(own.slots()) * pool.slots.units + len(own.owned_pages)
-                                               * pool.pages.units if own is not None else 0)
+                - held_p * pool.pages.units
             if need > have:
                 return (f"needs {slots} slots and {pages} pages ({need} arena units), but at most {have} units can "
-                        f"be free (open sessions hold {held_s} slots and {held_p} pages)")
+                        f"be free (open sessions hold {held_s} slots and {held_p} pages{pinned})")
             return None
-        free_s = pool.capacity("slot") - held_s - (len(own.slots()) if own is not None else 0)
-        free_p = pool.capacity("page") - held_p - (len(own.owned_pages) if own is not None else 0)
+        free_s = pool.capacity("slot") - held_s
+        free_p = pool.capacity("page") - held_p
         if slots > free_s or pages > free_p:
             return (f"needs {slots} slots and {pages} pages, but at most {free_s} slots and {free_p} pages can be "
-                    f"free (open sessions hold {held_s} slots and {held_p} pages)")
+                    f"free (open sessions hold {held_s} slots and {held_p} pages{pinned})")
         return None
