@@ -13,7 +13,7 @@ import pytest
 
 import inkling_jax as ik
 
-from conftest import TRUNK, count_xla_compiles, make_engine, reference_logprobs
+from conftest import ENGINE_KW, TRUNK, count_xla_compiles, make_engine, reference_logprobs
 
 ATOL = 1e-5  # float32 rounding of a differently fused program (the tokens are compared exactly)
 PARAMS = ik.init_params(TRUNK, jax.random.key(0), std=0.1)
@@ -22,10 +22,24 @@ SHARED = list(_rng.randint(3, 256, 10))
 PROMPTS = [SHARED + list(_rng.randint(3, 256, n)) for n in (2, 7)] + [list(_rng.randint(3, 256, 5))]
 
 
-def _run(decode_steps: int, sampling: ik.SamplingParams, **overrides):
+def _run(decode_steps: int, sampling: ik.SamplingParams, cuts: list | None = None, **overrides):
     """Generate PROMPTS, then their completions as new prompts (hits on generation
-    checkpoints), then a two-turn session; returns everything the engine produced."""
+    checkpoints), then a two-turn session; returns everything the engine produced. `cuts`
+    collects the decode rows whose dispatch stopped before their second checkpoint boundary
+    (fewer steps than both K and the row's remaining budget allow): (committed, steps)."""
     engine = make_engine(PARAMS, decode_steps=decode_steps, max_context=128, **overrides)
+    if cuts is not None:
+        plan = engine.scheduler.plan
+
+        def recording_plan(*args, **kwargs):
+            p = plan(*args, **kwargs)
+            if p is not None and p.mode == "decode":
+                for r, row in zip(p.requests, p.rows):
+                    if row.num_steps < min(decode_steps, r.sampling.max_new_tokens - len(r.out_tokens)):
+                        cuts.append((r.committed, row.num_steps))
+            return p
+
+        engine.scheduler.plan = recording_plan
     first = engine.generate(PROMPTS, sampling)
     grown = [p + c.tokens for p, c in zip(PROMPTS, first)]
     second = engine.generate(grown, sampling)
@@ -57,7 +71,11 @@ def test_k_steps_per_dispatch_equal_one(sampling):
     step per dispatch; fewer decode dispatches."""
     one, want, want_slot = _run(1, sampling)
     for k in (3, 9):
-        engine, got, slot = _run(k, sampling)
+        cuts = []
+        engine, got, slot = _run(k, sampling, cuts)
+        if k == 9:  # the cut happened (a row at 7 mod 8: 8 steps reach the next boundary + 7)
+            interval = ENGINE_KW["track_interval"]
+            assert cuts and all(n == 2 * interval - 1 - c % interval for c, n in cuts), cuts
         _same(got, want)
         assert sum(c.cached_tokens for c in got[3:6]) > 0  # the grown prompts hit
         assert slot.keys() == want_slot.keys()
