@@ -12,28 +12,18 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from common import median_seconds  # noqa: E402
 
 from pallas_kernels.attention import pallas as attn  # noqa: E402
 
 TILINGS = ((64, 64, 4, 2), (128, 64, 8, 2), (128, 64, 4, 2), (64, 128, 4, 2), (128, 128, 8, 2), (64, 64, 4, 3),
            (128, 64, 8, 3))  # bq, bk, num_warps, num_stages
-
-
-def timed(fn, *args, reps: int = 10) -> float:
-    jax.block_until_ready(fn(*args))
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        ts.append(time.perf_counter() - t0)
-    return sorted(ts)[len(ts) // 2]
 
 
 def inputs(b: int, q: int, hkv: int, ring: int, key):
@@ -72,7 +62,7 @@ def main(argv=None) -> None:
                 fn = jax.jit(lambda *a, t=(bq, bk, nw, ns), w=window: attn.attention(
                     *a, window=w, bq=t[0], bk=t[1], num_warps=t[2], num_stages=t[3]))
                 try:
-                    t = timed(fn, *xs)
+                    t = median_seconds(fn, *xs, reps=10)
                 except Exception as exc:  # a tiling Triton rejects (registers, shared memory): say so
                     print(f"| {case} | {layer} | {bq}, {bk}, {nw}, {ns} | failed: {type(exc).__name__}: "
                           f"{str(exc)[:80]} | | |")

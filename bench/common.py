@@ -48,6 +48,17 @@ class Report:
                 f.write("\n".join(self.sections.values()))
 
 
+def median_seconds(fn, *args, reps: int = 20) -> float:
+    """Median wall seconds of fn(*args) over `reps` synced calls, after one warm call."""
+    jax.block_until_ready(fn(*args))
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
 def table(header: list[str], rows: list[list], align: str = "") -> str:
     """A markdown table; align: one of "l" / "r" per column (default: first left, rest right)."""
     align = align or "l" + "r" * (len(header) - 1)

@@ -11,41 +11,37 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from common import median_seconds  # noqa: E402
 
 from inkling_jax.config import InklingConfig  # noqa: E402
 from inkling_jax.model import layers as L  # noqa: E402
-
-
-def timed(fn, *args, reps: int = 20) -> float:
-    """Median seconds of fn(*args) over reps synced calls (after one warm call)."""
-    jax.block_until_ready(fn(*args))
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        ts.append(time.perf_counter() - t0)
-    return sorted(ts)[len(ts) // 2]
 
 
 TILINGS = ((64, 128, 64, 4, 3), (128, 128, 64, 8, 3), (64, 128, 64, 4, 4), (128, 128, 32, 4, 3),
            (64, 64, 64, 4, 3))  # bm, bn, bk, num_warps, num_stages
 
 
-def many(tokens=(64, 128, 512, 2048, 8192, 32768)) -> None:
-    from pallas_kernels.moe import grouped
-
+def expert_weights():
+    """The bench config, a key, and random bf16 expert matrices w13 [E, h, 2f], w2 [E, f, h]."""
     cfg = InklingConfig.bench()
-    e, h, f, k = cfg.n_routed_experts, cfg.hidden_size, cfg.expert_intermediate_size, cfg.num_experts_per_tok
+    e, h, f = cfg.n_routed_experts, cfg.hidden_size, cfg.expert_intermediate_size
     key = jax.random.key(0)
     w13 = (0.02 * jax.random.normal(key, (e, h, 2 * f), jnp.float32)).astype(jnp.bfloat16)
     w2 = (0.02 * jax.random.normal(jax.random.fold_in(key, 1), (e, f, h), jnp.float32)).astype(jnp.bfloat16)
+    return cfg, key, w13, w2
+
+
+def many(tokens=(64, 128, 512, 2048, 8192, 32768)) -> None:
+    from pallas_kernels.moe import grouped
+
+    cfg, key, w13, w2 = expert_weights()
+    e, h, f, k = cfg.n_routed_experts, cfg.hidden_size, cfg.expert_intermediate_size, cfg.num_experts_per_tok
     print(f"{jax.devices()[0].device_kind}: E={e} H={h} F={f} top-{k}")
     print("| n | impl (bm, bn, bk, warps, stages) | ms | useful TFLOP/s | vs dense | max |diff| vs dense |")
     print("|---:|---|---:|---:|---:|---:|")
@@ -57,14 +53,14 @@ def many(tokens=(64, 128, 512, 2048, 8192, 32768)) -> None:
         flops = 2 * n * k * 3 * h * f
         dense = jax.jit(L.moe_experts_dense)
         ref = np.asarray(dense(x, idx, wt, w13, w2), np.float32)
-        t_dense = timed(dense, x, idx, wt, w13, w2)
+        t_dense = median_seconds(dense, x, idx, wt, w13, w2)
         print(f"| {n} | dense | {t_dense * 1e3:.3f} | {flops / t_dense / 1e12:.0f} | 1.00x | 0 |")
         for bm, bn, bk, nw, ns in TILINGS:
             fn = jax.jit(lambda *a, t=(bm, bn, bk, nw, ns): grouped.moe_experts_grouped(
                 *a, bm=t[0], bn=t[1], bk=t[2], num_warps=t[3], num_stages=t[4]))
             try:
                 out = np.asarray(fn(x, idx, wt, w13, w2), np.float32)
-                t = timed(fn, x, idx, wt, w13, w2)
+                t = median_seconds(fn, x, idx, wt, w13, w2)
             except Exception as exc:  # a tiling Triton rejects: say so, keep going
                 print(f"| {n} | grouped {(bm, bn, bk, nw, ns)} | failed: {type(exc).__name__}: {str(exc)[:80]} |")
                 continue
@@ -75,11 +71,8 @@ def many(tokens=(64, 128, 512, 2048, 8192, 32768)) -> None:
 def main() -> None:
     if "--many" in sys.argv:
         return many()
-    cfg = InklingConfig.bench()
+    cfg, key, w13, w2 = expert_weights()
     e, h, f, k = cfg.n_routed_experts, cfg.hidden_size, cfg.expert_intermediate_size, cfg.num_experts_per_tok
-    key = jax.random.key(0)
-    w13 = (0.02 * jax.random.normal(key, (e, h, 2 * f), jnp.float32)).astype(jnp.bfloat16)
-    w2 = (0.02 * jax.random.normal(jax.random.fold_in(key, 1), (e, f, h), jnp.float32)).astype(jnp.bfloat16)
     print(f"{jax.devices()[0].device_kind}: E={e} H={h} F={f} top-{k}; expert bytes {2 * 3 * h * f / 1e6:.1f} MB")
     print("| n | impl | us | max |diff| vs dense |")
     print("|---:|---|---:|---:|")
@@ -91,15 +84,11 @@ def main() -> None:
         for name in ("dense", "gather", "slices"):
             fn = jax.jit(lambda x, i, w, a, b, name=name: L.MOE_IMPLS[name](x, i, w, a, b))
             out = jax.block_until_ready(fn(x, idx, wt, w13, w2))
-            ts = []
-            for _ in range(30):
-                t0 = time.perf_counter()
-                jax.block_until_ready(fn(x, idx, wt, w13, w2))
-                ts.append(time.perf_counter() - t0)
+            t = median_seconds(fn, x, idx, wt, w13, w2, reps=30)
             if ref is None:
                 ref = np.asarray(out, np.float32)
             err = float(np.abs(np.asarray(out, np.float32) - ref).max())
-            print(f"| {n} | {name} | {1e6 * sorted(ts)[len(ts) // 2]:.0f} | {err:.2e} |")
+            print(f"| {n} | {name} | {1e6 * t:.0f} | {err:.2e} |")
 
 
 if __name__ == "__main__":
