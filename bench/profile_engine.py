@@ -1,0 +1,96 @@
+"""Where the engine loop's decode time goes on the GPU: the device's busy time against the
+wall time of `Engine.step()` calls, and the idle gaps between dispatches (host work the
+device waits for), from a jax profiler trace.
+
+    python bench/profile_engine.py [--batch 1] [--decode-steps 8] [--new 64] [--smoke]
+
+Bench model, bf16, 1000-token prompts, the engine config of bench/serve.py's decode section.
+After a warm-up generate and the prefill (not traced), the decode steps run under the
+profiler. Prints: wall ms per token step, device busy ms per token step (sum of kernel
+times), the gaps between kernels longer than --gap-us (count per dispatch, total, median),
+and the device span of a dispatch (kernels between two such gaps)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from common import device_params  # noqa: E402
+from device_time import device_events  # noqa: E402
+from serve_loop import bench_config, warm  # noqa: E402
+
+import inkling_jax as ik  # noqa: E402
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--decode-steps", type=int, default=8)
+    p.add_argument("--new", type=int, default=64)
+    p.add_argument("--prompt-len", type=int, default=1000)
+    p.add_argument("--gap-us", type=float, default=100.0)
+    p.add_argument("--smoke", action="store_true")
+    args = p.parse_args(argv)
+    if args.smoke:
+        jax.config.update("jax_platforms", "cpu")
+        args.prompt_len, args.new = 96, 16
+    cfg = ik.InklingConfig.tiny(num_mtp_layers=0, mtp_local_layer_ids=()) if args.smoke else \
+        ik.InklingConfig.bench(num_mtp_layers=0, mtp_local_layer_ids=())
+    params = device_params(cfg, 0, jnp.float32 if args.smoke else jnp.bfloat16)
+    engine = ik.Engine(cfg, params, bench_config(args, args.batch, prefix=False, decode_steps=args.decode_steps))
+    rng = np.random.RandomState(0)
+    prompts = [list(rng.randint(3, cfg.unpadded_vocab_size, args.prompt_len)) for _ in range(args.batch)]
+    sp = ik.SamplingParams(max_new_tokens=args.new, stop_at_eos=False)
+    warm(engine, prompts, sp)
+    reqs = engine.submit(prompts, sp)
+    while any(not r.out_tokens for r in reqs):  # the prefill, not traced
+        engine.step()
+    first = sum(len(r.out_tokens) for r in reqs)
+    tdir = tempfile.mkdtemp(prefix="engine_trace_")
+    step_ms = []
+    with jax.profiler.trace(tdir):
+        t0 = time.perf_counter()
+        while engine.running:
+            s = time.perf_counter()
+            engine.step()
+            step_ms.append(1e3 * (time.perf_counter() - s))
+        wall = time.perf_counter() - t0
+    tokens = (sum(len(r.out_tokens) for r in reqs) - first) // args.batch  # token steps per row
+    events = sorted(device_events(tdir), key=lambda e: e.start_ns)
+    print(f"{jax.devices()[0].device_kind}, B={args.batch}, K={args.decode_steps}: {len(step_ms)} dispatches, "
+          f"{tokens} token steps, wall {wall * 1e3:.1f} ms = {wall * 1e3 / max(tokens, 1):.3f} ms per token step; "
+          f"step() calls median {statistics.median(step_ms):.2f} ms")
+    if not events:
+        print("no device events (no GPU trace on this backend)")
+        return
+    busy = sum(e.duration_ns for e in events) / 1e6
+    gaps, spans, start, end = [], [], events[0].start_ns, events[0].start_ns + events[0].duration_ns
+    for e in events[1:]:
+        gap = e.start_ns - end
+        if gap > args.gap_us * 1e3:
+            gaps.append(gap / 1e6)
+            spans.append((end - start) / 1e6)
+            start = e.start_ns
+        end = max(end, e.start_ns + e.duration_ns)
+    spans.append((end - start) / 1e6)
+    print(f"device busy {busy:.1f} ms = {busy / max(tokens, 1):.3f} ms per token step ({100 * busy / (wall * 1e3):.0f} % "
+          f"of the wall); {len(events)} kernels = {len(events) / max(tokens, 1):.0f} per token step")
+    if gaps:
+        print(f"gaps > {args.gap_us:.0f} us: {len(gaps)} ({len(gaps) / len(step_ms):.1f} per dispatch), total "
+              f"{sum(gaps):.1f} ms = {sum(gaps) / max(tokens, 1):.3f} ms per token step, median {statistics.median(gaps):.3f}"
+              f" ms, max {max(gaps):.3f} ms")
+    print(f"device spans between gaps: median {statistics.median(spans):.3f} ms, "
+          f"{len(spans)} spans; per token step inside spans {sum(spans) / max(tokens, 1):.3f} ms")
+
+
+if __name__ == "__main__":
+    main()
