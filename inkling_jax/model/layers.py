@@ -167,6 +167,22 @@ def log_scaling_tau(positions: Int[Array, "..."], cfg: InklingConfig) -> Float[A
     return 1.0 + cfg.log_scaling_alpha * jnp.log(jnp.maximum(n / cfg.log_scaling_n_floor, 1.0))
 
 
+def attention_tables(q: Float[Array, "b tq nh hd"], r: Float[Array, "b tq nh dr"], rel_proj: Float[Array, "dr e"],
+                     q_pos: Int[Array, "b tq"], geom: AttentionGeometry, cfg: InklingConfig
+                     ) -> tuple[Float[Array, "b tq nh hd"], Float[Array, "b tq nh e"]]:
+    """q times tau(pos_q) on log-scaling layers, and the bias table rel[b, q, h, d] =
+    (r @ rel_proj) in q's dtype, times tau in fp32 and rounded again: what `attention_core`
+    gathers its bias from, and the inputs of the fused kernel (`pallas_kernels.attention`), so
+    both round alike."""
+    dtype = q.dtype
+    rel = jnp.einsum("bqhr,re->bqhe", r, rel_proj.astype(r.dtype), preferred_element_type=jnp.float32).astype(dtype)
+    if geom.log_scaling:
+        tau = log_scaling_tau(q_pos, cfg)[:, :, None, None]
+        q = (q.astype(jnp.float32) * tau).astype(dtype)
+        rel = (rel.astype(jnp.float32) * tau).astype(dtype)
+    return q, rel
+
+
 def attention_core(
     q: Float[Array, "b tq nh hd"],
     k: Float[Array, "b tk nkv hd"] | tuple[Array, ...],
@@ -196,10 +212,7 @@ def attention_core(
     nkv = k[0].shape[2]
     group = nh // nkv
 
-    rel = jnp.einsum("bqhr,re->bqhe", r, rel_proj.astype(r.dtype), preferred_element_type=jnp.float32).astype(dtype)
-    tau = log_scaling_tau(q_pos, cfg) if geom.log_scaling else None
-    if tau is not None:
-        q = (q.astype(jnp.float32) * tau[:, :, None, None]).astype(dtype)
+    q, rel = attention_tables(q, r, rel_proj, q_pos, geom, cfg)
     qg = q.reshape(b, tq, nkv, group, hd)
 
     scores, masks = [], []
@@ -210,8 +223,6 @@ def attention_core(
         bias = jnp.take_along_axis(rel, jnp.broadcast_to(gather_idx[:, :, None, :], (b, tq, nh, dist.shape[-1])),
                                    axis=-1)
         bias = jnp.where(in_extent[:, :, None, :], bias, jnp.zeros((), dtype))  # [b, tq, nh, tk]
-        if tau is not None:
-            bias = (bias.astype(jnp.float32) * tau[:, :, None, None]).astype(dtype)
         allowed = vb[:, None, :] & (dist >= 0)
         if geom.window is not None:
             allowed = allowed & (dist < geom.window)
@@ -232,22 +243,6 @@ def attention_core(
         out = part if out is None else out + part
         start += n
     return out.astype(dtype).reshape(b, tq, nh, hd)
-
-
-def attention_tables(q: Float[Array, "b tq nh hd"], r: Float[Array, "b tq nh dr"], rel_proj: Float[Array, "dr e"],
-                     q_pos: Int[Array, "b tq"], geom: AttentionGeometry, cfg: InklingConfig
-                     ) -> tuple[Float[Array, "b tq nh hd"], Float[Array, "b tq nh e"]]:
-    """The inputs of a fused attention kernel (`pallas_kernels.attention`), rounded as
-    `attention_core` rounds them: q times tau(pos_q) on log-scaling layers, and the bias
-    table rel[b, q, h, d] = (r @ rel_proj) in q's dtype, times tau in fp32 and rounded again
-    (attention_core gathers first and scales after: the same elementwise values)."""
-    dtype = q.dtype
-    rel = jnp.einsum("bqhr,re->bqhe", r, rel_proj.astype(r.dtype), preferred_element_type=jnp.float32).astype(dtype)
-    if geom.log_scaling:
-        tau = log_scaling_tau(q_pos, cfg)[:, :, None, None]
-        q = (q.astype(jnp.float32) * tau).astype(dtype)
-        rel = (rel.astype(jnp.float32) * tau).astype(dtype)
-    return q, rel
 
 
 def split_qkvr(p: Params, x: Array, geom: AttentionGeometry, cfg: InklingConfig) -> tuple[Array, Array, Array, Array]:
