@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import glob
 import os
+import re
 import tempfile
 import warnings
 from typing import NamedTuple
@@ -61,3 +62,28 @@ def traced_device_events(fn) -> list[DeviceEvent]:
         with jax.profiler.trace(d):
             fn()
         return device_events(d)
+
+
+# The named scopes the model and step code put on their ops (`jax.named_scope`), in the
+# order a profile lists them; an op's part is the path of these scopes in its op_name.
+PARTS = ("prepare", "embed", "norm", "attention", "conv_kv", "attention_tables", "attend", "read_ring", "read_pages",
+         "attention_core", "write_ring", "write_pages", "conv_attn", "dense_mlp", "moe", "router", "routed_experts",
+         "shared_experts", "swiglu", "conv_mlp", "lm_head", "sample", "accept", "draft")
+
+
+def hlo_op_parts(hlo_text: str) -> dict[str, str]:
+    """instruction name -> its part (the known scopes of its op_name, outermost first, joined
+    by '/'), for every instruction of an optimized HLO text that has metadata."""
+    out = {}
+    for m in re.finditer(r'^\s*(?:ROOT\s+)?%?([\w.\-]+) = [^\n]*?op_name="([^"]*)"', hlo_text, re.M):
+        scopes = [s for s in m.group(2).split("/") if s in PARTS]
+        out[m.group(1)] = "/".join(dict.fromkeys(scopes)) or "(other)"
+    return out
+
+
+def event_part(ev: DeviceEvent, parts: dict[str, str]) -> str:
+    """The part of the model a kernel ran for (see hlo_op_parts); '(unknown)' without one."""
+    for name in (ev.op, re.sub(r"_(\d+)$", r".\1", ev.kernel), ev.kernel):
+        if name and name in parts:
+            return parts[name]
+    return "(unknown)"

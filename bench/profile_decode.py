@@ -32,7 +32,7 @@ import numpy as np  # noqa: E402
 from common import device_params  # noqa: E402
 from decode_runs import time_decode  # noqa: E402
 from decode_setup import compile_all, decode_shape, make_setup, make_state, parse_args  # noqa: E402
-from device_time import device_events  # noqa: E402
+from device_time import device_events, event_part, hlo_op_parts  # noqa: E402
 
 from inkling_jax import steps  # noqa: E402
 from inkling_jax.steps import program as step_program  # noqa: E402
@@ -76,11 +76,16 @@ def print_profile(args, b: int | str, pallas: bool, med: float, pipe: float, com
     copies; writes DIR/ops_B{b}.tsv."""
     tot = collections.Counter()
     cnt = collections.Counter()
+    by_part, n_part = collections.Counter(), collections.Counter()
+    parts = hlo_op_parts(comp.fn.as_text())
     lines = set()
     first, last = float("inf"), 0.0
     for ev in device_events(tdir):
         tot[ev.label] += ev.duration_ns
         cnt[ev.label] += 1
+        part = event_part(ev, parts)
+        by_part[part] += ev.duration_ns
+        n_part[part] += 1
         lines.add(ev.line)
         first, last = min(first, ev.start_ns), max(last, ev.start_ns + ev.duration_ns)
     step_us = sum(tot.values()) / 10 / 1e3
@@ -93,6 +98,9 @@ def print_profile(args, b: int | str, pallas: bool, med: float, pipe: float, com
     print(f"arena-sized copies in the HLO ({len(copies)}):")
     for c in copies[:12]:
         print("   ", c)
+    print(f"by part: {'us/step':>9} {'n/step':>6}")
+    for name, t in by_part.most_common():
+        print(f"{t / 10 / 1e3:9.1f} {n_part[name] / 10:6.1f}  {name}")
     print(f"{'us/step':>9} {'n/step':>6}  op")
     for name, t in tot.most_common(args.top):
         print(f"{t / 10 / 1e3:9.1f} {cnt[name] / 10:6.1f}  {name[:150]}")

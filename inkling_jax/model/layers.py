@@ -125,6 +125,7 @@ def linear(x: Float[Array, "... i"], w: Float[Array, "i o"]) -> Float[Array, "..
     return matmul(x, w).astype(x.dtype)
 
 
+@jax.named_scope("norm")
 def rms_norm(x: Float[Array, "... d"], weight: Float[Array, "d"], eps: float) -> Float[Array, "... d"]:
     """x / sqrt(mean(x^2) + eps) * weight, computed in fp32, returned in x's dtype."""
     xf = x.astype(jnp.float32)
@@ -167,6 +168,7 @@ def log_scaling_tau(positions: Int[Array, "..."], cfg: InklingConfig) -> Float[A
     return 1.0 + cfg.log_scaling_alpha * jnp.log(jnp.maximum(n / cfg.log_scaling_n_floor, 1.0))
 
 
+@jax.named_scope("attention_tables")
 def attention_tables(q: Float[Array, "b tq nh hd"], r: Float[Array, "b tq nh dr"], rel_proj: Float[Array, "dr e"],
                      q_pos: Int[Array, "b tq"], geom: AttentionGeometry, cfg: InklingConfig
                      ) -> tuple[Float[Array, "b tq nh hd"], Float[Array, "b tq nh e"]]:
@@ -183,6 +185,7 @@ def attention_tables(q: Float[Array, "b tq nh hd"], r: Float[Array, "b tq nh dr"
     return q, rel
 
 
+@jax.named_scope("attention_core")
 def attention_core(
     q: Float[Array, "b tq nh hd"],
     k: Float[Array, "b tk nkv hd"] | tuple[Array, ...],
@@ -254,6 +257,7 @@ def split_qkvr(p: Params, x: Array, geom: AttentionGeometry, cfg: InklingConfig)
     return linear(x, p["wq"]), linear(x, p["wk"]), linear(x, p["wv"]), linear(x, p["wr"])
 
 
+@jax.named_scope("attention")
 def attention_block(p: Params, cfg: InklingConfig, geom: AttentionGeometry, x: Array, ctx: LayerContext) -> Array:
     """Projections, k/v short convs, q/k RMSNorm, attention through ctx, output projection."""
     lead = x.shape[:-1]
@@ -272,6 +276,7 @@ def attention_block(p: Params, cfg: InklingConfig, geom: AttentionGeometry, x: A
 # ------------------------------------------------------------------------------ MLPs
 
 
+@jax.named_scope("swiglu")
 def swiglu(x: Array, w13: Float[Array, "h two_i"], w2: Float[Array, "i h"]) -> Array:
     """down(silu(gate) * up) with the gate | up halves of w13; SwiGLU in fp32."""
     gu = matmul(x, w13)
@@ -280,6 +285,7 @@ def swiglu(x: Array, w13: Float[Array, "h two_i"], w2: Float[Array, "i h"]) -> A
     return linear(act, w2)
 
 
+@jax.named_scope("dense_mlp")
 def dense_mlp(p: Params, cfg: InklingConfig, x: Array, parallel: "ParallelAxes | None" = None) -> Array:
     out = tp_psum(swiglu(x, p["w13"], p["w2"]), parallel)
     if "global_scale" in p:
@@ -287,6 +293,7 @@ def dense_mlp(p: Params, cfg: InklingConfig, x: Array, parallel: "ParallelAxes |
     return out
 
 
+@jax.named_scope("router")
 def route(p: Params, cfg: InklingConfig, x: Float[Array, "n h"]) -> tuple[Array, Array, Array]:
     """Inkling's router (fp32): returns (topk_idx [n,k], topk_weight [n,k], shared_gamma [n,S]).
 
@@ -376,6 +383,29 @@ MOE_IMPLS = {"dense": lambda *a: moe_experts_dense(*a), "gather": lambda *a: moe
 GROUPED_MIN_CHOICES_PER_EXPERT = 64
 
 
+@jax.named_scope("shared_experts")
+def shared_experts(p: Params, cfg: InklingConfig, flat: Float[Array, "n h"], gamma: Float[Array, "n s"],
+                   parallel: "ParallelAxes | None" = None) -> Float[Array, "n h"]:
+    """The shared experts' summed output (fp32), each weighted by its sink gamma (the router's
+    renormalised weight) when the config says so."""
+    n = flat.shape[0]
+    xs, gs = flat, gamma
+    if n == 1 and _pad_lone_row():  # keep the batched products GEMMs (see PAD_LONE_ROW)
+        xs, gs = jnp.pad(flat, ((0, 1), (0, 0))), jnp.pad(gamma, ((0, 1), (0, 0)))
+    gu = jnp.einsum("nh,shf->snf", xs, p["shared_w13"].astype(flat.dtype), preferred_element_type=jnp.float32)
+    half = gu.shape[-1] // 2
+    act = jax.nn.silu(gu[..., :half]) * gu[..., half:]
+    if cfg.shared_expert_sink and cfg.norm_after_topk:
+        act = act * gs.T[:, :, None]
+    act = act.astype(flat.dtype)
+    shared = jnp.einsum("snf,sfh->snh", act, p["shared_w2"].astype(flat.dtype), preferred_element_type=jnp.float32)
+    shared = shared[:, :n].astype(flat.dtype).astype(jnp.float32).sum(axis=0)
+    if parallel is not None and parallel.ep > 1:  # every ep shard holds the shared experts: count them once
+        shared = jnp.where(jax.lax.axis_index(parallel.ep_axis) == 0, shared, 0.0)
+    return shared
+
+
+@jax.named_scope("moe")
 def moe_mlp(p: Params, cfg: InklingConfig, x: Array, experts_impl: str = "auto",
             few_token_experts: Any = None, parallel: "ParallelAxes | None" = None,
             many_token_experts: Any = None) -> Array:
@@ -405,22 +435,10 @@ def moe_mlp(p: Params, cfg: InklingConfig, x: Array, experts_impl: str = "auto",
         if experts_impl == "dense" and many and many_token_experts is not None:
             experts_impl = many_token_experts
     fn = experts_impl if callable(experts_impl) else MOE_IMPLS[experts_impl]
-    out = fn(flat, idx, w, p["w13"], p["w2"]).astype(jnp.float32)
+    with jax.named_scope("routed_experts"):
+        out = fn(flat, idx, w, p["w13"], p["w2"]).astype(jnp.float32)
     if cfg.n_shared_experts > 0:
-        xs, gs = flat, gamma
-        if n == 1 and _pad_lone_row():  # keep the batched products GEMMs (see PAD_LONE_ROW)
-            xs, gs = jnp.pad(flat, ((0, 1), (0, 0))), jnp.pad(gamma, ((0, 1), (0, 0)))
-        gu = jnp.einsum("nh,shf->snf", xs, p["shared_w13"].astype(flat.dtype), preferred_element_type=jnp.float32)
-        half = gu.shape[-1] // 2
-        act = jax.nn.silu(gu[..., :half]) * gu[..., half:]
-        if cfg.shared_expert_sink and cfg.norm_after_topk:
-            act = act * gs.T[:, :, None]
-        act = act.astype(flat.dtype)
-        shared = jnp.einsum("snf,sfh->snh", act, p["shared_w2"].astype(flat.dtype), preferred_element_type=jnp.float32)
-        shared = shared[:, :n].astype(flat.dtype).astype(jnp.float32).sum(axis=0)
-        if parallel is not None and parallel.ep > 1:  # every ep shard holds the shared experts: count them once
-            shared = jnp.where(jax.lax.axis_index(parallel.ep_axis) == 0, shared, 0.0)
-        out = out + shared
+        out = out + shared_experts(p, cfg, flat, gamma, parallel)
     out = out.astype(x.dtype)
     if parallel is not None:
         out = jax.lax.psum(out, (parallel.ep_axis, parallel.tp_axis))
@@ -438,6 +456,7 @@ def mlp(p: Params, cfg: InklingConfig, dense: bool, x: Array, few_token_experts:
 # ----------------------------------------------------------------------- the layer
 
 
+@jax.named_scope("layer")
 def decoder_layer(
     p: Params, cfg: InklingConfig, geom: AttentionGeometry, dense: bool, x: Array, ctx: LayerContext
 ) -> Array:
@@ -451,6 +470,7 @@ def decoder_layer(
     return x + ctx.conv("mlp", m, p["mlp_conv"])
 
 
+@jax.named_scope("embed")
 def embed(params: Params, cfg: InklingConfig, tokens: Array, dtype: Any,
           parallel: "ParallelAxes | None" = None) -> Array:
     """Token embeddings (+ embed_norm). With `parallel`, params["embed"] holds this tp shard's
@@ -468,6 +488,7 @@ def embed(params: Params, cfg: InklingConfig, tokens: Array, dtype: Any,
     return x
 
 
+@jax.named_scope("lm_head")
 def lm_head(params: Params, cfg: InklingConfig, h: Array, parallel: "ParallelAxes | None" = None
             ) -> Float[Array, "... v"]:
     """Logits (fp32) from final-normed hidden states: (h / mup) @ unembed, sliced to the real vocab.

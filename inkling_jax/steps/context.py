@@ -82,6 +82,10 @@ class StepContext:
     # -- short convolutions
 
     def conv(self, stream: str, x: Array, weight: Array) -> Array:
+        with jax.named_scope(f"conv_{stream}"):
+            return self._conv(stream, x, weight)
+
+    def _conv(self, stream: str, x: Array, weight: Array) -> Array:
         lay, f = self.layout, self.fields.conv
         kw = dict(window_shape=f.shape, channels=self.fields.channels(stream), sink_rows=lay.sink_rows)
         active_row, track_row = lay.slot_row(self.meta.physical_slot, f), lay.slot_row(self.meta.physical_track_slot, f)
@@ -96,6 +100,7 @@ class StepContext:
 
     # -- attention
 
+    @jax.named_scope("attend")
     def attend(self, q: Array, k: Array, v: Array, r: Array, rel_proj: Array, geom: AttentionGeometry) -> Array:
         meta = self.meta
         qn = meta.rows.row_tokens.shape[1]
@@ -132,6 +137,7 @@ class StepContext:
             self._write_pages(k, v)
         return out[meta.rows.token_row, meta.rows.token_offset]
 
+    @jax.named_scope("read_pages")
     def _page_keys(self, geom: AttentionGeometry):
         lay, b = self.layout, self.meta.seq_start.shape[0]
         rows = lay.page_row(self.physical_pages, self.arena.shape[0], self.page_layer)  # [B, P]
@@ -140,6 +146,7 @@ class StepContext:
         valid = pos < self.meta.seq_start[:, None]
         return kv[:, :, 0], kv[:, :, 1], pos, valid
 
+    @jax.named_scope("write_pages")
     def _write_pages(self, k: Array, v: Array) -> None:
         """Store every valid new token's K/V at its position (drafts included: positions past
         the committed length are rewritten before any query can see them)."""
@@ -157,6 +164,7 @@ class StepContext:
         arena3 = self.arena.reshape(self.arena.shape[0], ps, -1)
         self.arena = set_rows(arena3, rows, offset, kv).reshape(self.arena.shape)
 
+    @jax.named_scope("read_ring")
     def _ring_keys(self, geom: AttentionGeometry):
         lay, meta = self.layout, self.meta
         f = self.fields.ring
@@ -168,6 +176,7 @@ class StepContext:
         valid = meta.rows.has_state[:, None] & (pos >= 0)
         return ring[:, :, 0], ring[:, :, 1], pos, valid, ring
 
+    @jax.named_scope("write_ring")
     def _write_ring(self, arena: Array, meta: RowMeta, f, old_ring: Array, kv: Array) -> Array:
         """Active ring: the first commit_len new tokens written into their rows (the last R
         of them); checkpoint ring m: the old ring with the first track_len[:, m] tokens written."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 from jaxtyping import Array
 from pallas_kernels.conv_state.ref import PackedRows
@@ -20,6 +21,7 @@ from .context import RowMeta, StepContext
 Params = dict[str, Any]
 
 
+@jax.named_scope("draft")
 def draft_phase(params: Params, cfg: InklingConfig, layout: ArenaLayout, ops: Any, arena: Array, batch: StepBatch,
                 target_meta: RowMeta, physical_pages: Array, h_target: Array, commit: Array, track: Array,
                 bonus: Array, parallel: Any = None) -> tuple[Array, Array]:

@@ -96,6 +96,7 @@ class Translated:
     physical_pages: Array  # [B, P]
 
 
+@jax.named_scope("prepare")
 def prepare(state: ServingState, batch: StepBatch, layout: ArenaLayout, ops: Any) -> tuple[Translated, Array]:
     """Translate the batch's ids, and apply copy-on-write restores (prefix hits) to the arena."""
     ids = Translated(translate_slots(state, batch.virtual_slot), translate_slots(state, batch.virtual_track_slot),

@@ -13,6 +13,7 @@ from jaxtyping import Array, Float, Int
 from .batch import StepBatch
 
 
+@jax.named_scope("sample")
 def sample_tokens(logits: Float[Array, "b v"], temperature: Array, top_k: Array, top_p: Array,
                   seed: Array, position: Array) -> tuple[Array, Array]:
     """Greedy where temperature == 0, else temperature / top-k / top-p sampling with the key
@@ -36,6 +37,7 @@ def sample_tokens(logits: Float[Array, "b v"], temperature: Array, top_k: Array,
     return tokens, jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
 
 
+@jax.named_scope("accept")
 def accept_drafts(logits: Float[Array, "b s1 v"], drafts: Int[Array, "b s"], batch: StepBatch,
                   position: Int[Array, "b"]) -> tuple[Array, Array, Array, Array]:
     """Speculative acceptance for one verify step.
