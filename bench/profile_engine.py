@@ -13,6 +13,7 @@ and the device span of a dispatch (kernels between two such gaps)."""
 from __future__ import annotations
 
 import argparse
+import collections
 import os
 import statistics
 import sys
@@ -25,7 +26,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from common import device_params  # noqa: E402
-from device_time import device_events  # noqa: E402
+from device_time import device_events, event_part, hlo_op_parts  # noqa: E402
 from serve_loop import bench_config, warm  # noqa: E402
 
 import inkling_jax as ik  # noqa: E402
@@ -38,6 +39,7 @@ def main(argv=None) -> None:
     p.add_argument("--new", type=int, default=64)
     p.add_argument("--prompt-len", type=int, default=1000)
     p.add_argument("--gap-us", type=float, default=100.0)
+    p.add_argument("--top", type=int, default=30, help="kernels listed (by device time)")
     p.add_argument("--smoke", action="store_true")
     args = p.parse_args(argv)
     if args.smoke:
@@ -66,7 +68,8 @@ def main(argv=None) -> None:
         wall = time.perf_counter() - t0
     tokens = (sum(len(r.out_tokens) for r in reqs) - first) // args.batch  # token steps per row
     events = sorted(device_events(tdir), key=lambda e: e.start_ns)
-    print(f"{jax.devices()[0].device_kind}, B={args.batch}, K={args.decode_steps}: {len(step_ms)} dispatches, "
+    print(f"{jax.devices()[0].device_kind}, B={args.batch}, K={args.decode_steps}, overlap={engine.runner.overlap}: "
+          f"{len(step_ms)} dispatches, "
           f"{tokens} token steps, wall {wall * 1e3:.1f} ms = {wall * 1e3 / max(tokens, 1):.3f} ms per token step; "
           f"step() calls median {statistics.median(step_ms):.2f} ms")
     if not events:
@@ -90,6 +93,31 @@ def main(argv=None) -> None:
               f" ms, max {max(gaps):.3f} ms")
     print(f"device spans between gaps: median {statistics.median(spans):.3f} ms, "
           f"{len(spans)} spans; per token step inside spans {sum(spans) / max(tokens, 1):.3f} ms")
+    print_breakdown(events, max(tokens, 1), args.top)
+
+
+def print_breakdown(events, tokens: int, top: int) -> None:
+    """Device time and launches per token step by model part (the ops' named scopes, from the
+    optimized HLO of every step the engine compiled) and by kernel."""
+    from inkling_jax.engine import runner
+
+    parts = {}
+    for fn in runner._COMPILED.values():
+        parts.update(hlo_op_parts(fn.as_text()))
+    by_part, n_part = collections.Counter(), collections.Counter()
+    by_kernel, n_kernel = collections.Counter(), collections.Counter()
+    for e in events:
+        part = event_part(e, parts)
+        by_part[part] += e.duration_ns
+        n_part[part] += 1
+        by_kernel[f"{part}: {e.label}"] += e.duration_ns
+        n_kernel[f"{part}: {e.label}"] += 1
+    print("\nby part (us / token step, launches / token step):")
+    for name, t in by_part.most_common():
+        print(f"{t / tokens / 1e3:9.1f} {n_part[name] / tokens:7.1f}  {name}")
+    print(f"\ntop {top} kernels (us / token step, launches / token step):")
+    for name, t in by_kernel.most_common(top):
+        print(f"{t / tokens / 1e3:9.1f} {n_kernel[name] / tokens:7.1f}  {name[:160]}")
 
 
 if __name__ == "__main__":

@@ -54,6 +54,7 @@ bench/serve_fresh.py.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -98,6 +99,8 @@ def parse_args(argv=None):
                    "smoke: 1,2)")
     p.add_argument("--decode-steps", default="1", help="K decode steps per dispatch (EngineConfig.decode_steps) of "
                    "the decode and flags sections, a comma list")
+    p.add_argument("--overlap", default="auto", help="decode section: EngineConfig.overlap values, comma-separated "
+                   "from auto,on,off (on only with K > 1)")
     p.add_argument("--flag-variants", default=None, help="XLA_FLAGS variants of the flags section, ';'-separated "
                    "(default: none, and command buffers for everything; smoke: none, and a CPU flag)")
     p.add_argument("--flag-batches", default="1,32", help="batch sizes of the flags section (smoke: 1)")
@@ -162,20 +165,27 @@ def section_decode(args, cfg, params, report: Report, bandwidth: float) -> dict:
         ctx = args.prompt_len + args.new // 2
         roof_ms = 1e3 * decode_bytes(cfg, params, b, ctx)["total"] / bandwidth
         for k in args.decode_steps_list:
-            engine = ik.Engine(cfg, params, bench_config(args, b, prefix=False, decode_steps=k))
-            # long enough for a dispatch of K steps
-            warm(engine, prompts, ik.SamplingParams(max_new_tokens=max(4, 2 * k + 2), stop_at_eos=False))
-            ph = phases(engine, prompts, sp)
-            ms = decode_ms_per_token(ph)
-            per_batch[(b, k)] = ms
-            rows.append([b, k, f"{b * args.prompt_len / ph['prefill_s']:.0f}", ph["prefill_steps"], f"{ms:.3f}",
-                         f"{b * 1e3 / ms:.0f}", f"{ph['decode_dispatches']} / {ph['decode_tokens']}",
-                         f"{roof_ms:.3f}", f"{100 * roof_ms / ms:.0f} %", engine.stats()["compiles"]])
-            log(f"decode B={b} K={k}: {rows[-1]}")
+            for overlap in [o for o in args.overlap_list if k > 1 or o is not True]:
+                config = bench_config(args, b, prefix=False, decode_steps=k)
+                if overlap != "auto":
+                    config = dataclasses.replace(config, overlap=overlap)
+                engine = ik.Engine(cfg, params, config)
+                # long enough for a dispatch of K steps
+                warm(engine, prompts, ik.SamplingParams(max_new_tokens=max(4, 2 * k + 2), stop_at_eos=False))
+                ph = phases(engine, prompts, sp)
+                ms = decode_ms_per_token(ph)
+                on = engine.runner.overlap
+                per_batch[(b, k) if overlap == "auto" else (b, k, on)] = ms
+                rows.append([b, k, "on" if on else "off", f"{b * args.prompt_len / ph['prefill_s']:.0f}",
+                             ph["prefill_steps"], f"{ms:.3f}", f"{b * 1e3 / ms:.0f}",
+                             f"{ph['decode_dispatches']} / {ph['decode_tokens']}", f"{roof_ms:.3f}",
+                             f"{100 * roof_ms / ms:.0f} %", engine.stats()["compiles"]])
+                log(f"decode B={b} K={k} overlap={on}: {rows[-1]}")
     report.add(f"### Engine loop: prefill and decode ({args.prompt_len}-token prompts, {args.new} new, bf16)\n\n"
-               + table(["B", "K", "prefill tok/s", "prefill steps", "decode ms/step", "decode tok/s",
+               + table(["B", "K", "overlap", "prefill tok/s", "prefill steps", "decode ms/step", "decode tok/s",
                         "dispatches / token steps", "roofline ms", "% of roofline", "compiles"], rows)
-               + "\n\nK: decode steps per dispatch (EngineConfig.decode_steps). ms/step: decode wall time / the "
+               + "\n\nK: decode steps per dispatch (EngineConfig.decode_steps). overlap: EngineConfig.overlap (the "
+               "next decode dispatched before the last is read). ms/step: decode wall time / the "
                "tokens a row generated after its first token (per token step, whatever K), against the roofline of "
                "one decode step.", "decode")
     return per_batch
@@ -284,6 +294,7 @@ def main(argv=None) -> int:
     if bad:
         raise SystemExit(f"unknown sections {sorted(bad)}; choose from {SECTIONS}")
     args.decode_steps_list = parse_decode_steps(args.decode_steps)
+    args.overlap_list = [{"on": True, "off": False, "auto": "auto"}[o] for o in args.overlap.split(",")]
     args.decode_batches = args.decode_batches or ("1,2" if args.smoke else "1,8,32")
     args.prefill_cases = args.prefill_cases or ("2x32,1x128" if args.smoke else "8x1024,1x8192")
     if args.smoke:
@@ -328,7 +339,7 @@ def main(argv=None) -> int:
         section_flags(args, report)
     if args.child_out:  # a child of the flags section
         with open(args.child_out, "w") as f:
-            json.dump({"decode": {f"{b},{k}": ms for (b, k), ms in decode_ms.items()}}, f)
+            json.dump({"decode": {",".join(map(str, key)): ms for key, ms in decode_ms.items()}}, f)
     return 0
 
 

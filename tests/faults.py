@@ -80,8 +80,10 @@ OPS = ["submit", "step", "abort", "turn", "close", "evict", "compact"]
 OP_WEIGHTS = [0.2, 0.5, 0.05, 0.1, 0.04, 0.06, 0.05]
 
 
-def run_soak(cfg, params, engine_kw: dict, num_ops: int, seed: int = 0, rate: float = 0.05) -> dict:
-    """The soak (module docstring); returns its figures. Raises AssertionError on a violation."""
+def run_soak(cfg, params, engine_kw: dict, num_ops: int, seed: int = 0, rate: float = 0.05,
+             max_new_tokens: int = 7) -> dict:
+    """The soak (module docstring); returns its figures. Raises AssertionError on a violation.
+    Requests ask for 1 to max_new_tokens new tokens (session turns for at most 5)."""
     rng = np.random.RandomState(seed)
     vocab = cfg.unpadded_vocab_size
     system = list(rng.randint(3, vocab, 21))
@@ -100,7 +102,7 @@ def run_soak(cfg, params, engine_kw: dict, num_ops: int, seed: int = 0, rate: fl
             if op == "submit":
                 base = bases[rng.randint(len(bases))]
                 prompt = base[:rng.randint(1, len(base) + 1)] + [int(rng.randint(3, vocab))]
-                r = engine.submit([prompt], greedy(int(rng.randint(1, 8))))[0]
+                r = engine.submit([prompt], greedy(int(rng.randint(1, max_new_tokens + 1))))[0]
                 tracked.append((r, list(r.tokens)))
             elif op == "step":
                 engine.step()
@@ -154,6 +156,7 @@ def run_soak(cfg, params, engine_kw: dict, num_ops: int, seed: int = 0, rate: fl
     figures.update({f"faults: {k}": v for k, v in faults.count.items()})
     figures["resets"] = engine.stats()["resets"]
     figures["cache hit tokens"] = engine.stats()["cache_hit_tokens"]
+    figures["overlapped dispatches"] = engine.stats()["overlapped_dispatches"]
     figures["seconds"] = round(time.perf_counter() - t0, 1)
     return dict(figures)
 

@@ -68,7 +68,7 @@ def test_interrupted_output_read_finishes_the_step_later(trunk_params, when, exc
     fail_once(engine, "_fetch", exc)
     with pytest.raises(type(exc)):
         engine.step()
-    assert engine._inflight is not None
+    assert engine._flights
     engine.check_invariants()
     drain(engine)
     assert req.out_tokens == clean[0].tokens
@@ -307,11 +307,16 @@ def test_two_threads_share_one_engine(trunk_params):
 # -------------------------------------------------------------------- the soak
 
 
-def test_fault_injection_soak(trunk_params):
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_fault_injection_soak(trunk_params, overlap):
     """Random schedules with exceptions injected at output reads, compaction copies and
     allocations: invariants after every operation, every completed greedy output equal to a
-    cache-off engine's, every aborted one a prefix of it."""
+    cache-off engine's, every aborted one a prefix of it. `overlap`: 4-step decode dispatches,
+    each dispatched before the previous one is read (`EngineConfig.overlap`)."""
     ops = int(os.environ.get("INKLING_SOAK_OPS", "250"))
-    figures = run_soak(TRUNK, trunk_params, {**ENGINE_KW, "num_slots": 10, "num_pages": 40}, ops, seed=0)
+    kw = dict(decode_steps=4, overlap=True) if overlap else {}
+    figures = run_soak(TRUNK, trunk_params, {**ENGINE_KW, "num_slots": 10, "num_pages": 40, **kw}, ops, seed=0,
+                       max_new_tokens=24 if overlap else 7)
     assert figures["completed"] > 10 and figures["raised"] > 3
+    assert (figures["overlapped dispatches"] > 10) == overlap, figures
     assert sum(v for k, v in figures.items() if k.startswith("faults:")) > 3

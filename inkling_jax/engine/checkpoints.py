@@ -51,14 +51,16 @@ class CheckpointPolicy:
 
     # ------------------------------------------------------------------ planning
 
-    def plan(self, r: Request, n: int) -> tuple[int, list[Checkpoint]]:
+    def plan(self, r: Request, n: int, start: int | None = None) -> tuple[int, list[Checkpoint]]:
         """The checkpoints a step adding n tokens to r writes, and n (cut where a chunk
-        crosses more prompt boundaries than one step writes)."""
+        crosses more prompt boundaries than one step writes). `start`: the step's first
+        position when it is planned ahead of the commit that reaches it (default: committed)."""
         if self.tree is None:
             return n, []
         held, interval = r.held, self.config.track_interval
-        first = (held.committed // interval + 1) * interval
-        boundaries = list(range(first, held.committed + n + 1, interval))
+        start = held.committed if start is None else start
+        first = (start // interval + 1) * interval
+        boundaries = list(range(first, start + n + 1, interval))
         if not boundaries:
             return n, []
         if r.session is None and boundaries[-1] <= r.prompt_len:

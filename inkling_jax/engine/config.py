@@ -25,6 +25,8 @@ class EngineConfig:
     ping_pong: str = "eager"  # or "lazy"
     spec_steps: int = 0  # MTP draft tokens per round (0 = off)
     decode_steps: Any = "auto"  # model steps per decode dispatch, a device loop ("auto": 8 on GPU/TPU, 1 on CPU)
+    overlap: Any = "auto"  # dispatch the next decode before reading the last (True / False / "auto": on GPU/TPU
+    #                        with multi-step decode and no speculation)
     use_pallas: Any = "auto"  # True / False / "auto" (Pallas on GPU, jnp elsewhere)
     pallas_interpret: bool = False  # run the Pallas kernels in interpret mode (CPU tests)
     chunk_size: int = 64  # most new tokens one request adds in one step
@@ -60,6 +62,11 @@ class EngineConfig:
             need(isinstance(getattr(self, name), bool), f"{name} must be True or False, got {getattr(self, name)!r}")
         need(self.pool in ("unified", "static"), f"pool must be 'unified' or 'static', got {self.pool!r}")
         need(self.ping_pong in ("eager", "lazy"), f"ping_pong must be 'eager' or 'lazy', got {self.ping_pong!r}")
+        need(isinstance(self.overlap, bool) or self.overlap == "auto",
+             f"overlap must be True, False or 'auto', got {self.overlap!r}")
+        need(not (self.overlap is True and self.spec_steps), "overlap needs spec_steps=0 (verify steps are not overlapped)")
+        need(not (self.overlap is True and self.decode_steps == 1),
+             "overlap needs multi-step decode (decode_steps > 1, or 'auto' on a GPU)")
         need(isinstance(self.use_pallas, bool) or self.use_pallas == "auto",
              f"use_pallas must be True, False or 'auto', got {self.use_pallas!r}")
         need(self.compile_cache_dir is None or isinstance(self.compile_cache_dir, str),

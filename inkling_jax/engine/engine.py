@@ -59,7 +59,7 @@ from .checkpoints import CheckpointPolicy
 from .config import EngineConfig, SamplingParams, is_int
 from .interrupts import critical
 from .records import Completion, Request, Session
-from .runner import StepRunner, check_arena_fits, check_arena_fits_per_device
+from .runner import DecodeFeed, StepRunner, check_arena_fits, check_arena_fits_per_device
 from .scheduler import HostOutputs, Scheduler, StepPlan
 
 
@@ -127,7 +127,8 @@ class Engine:
         self.tree = PrefixTree(config.page_size) if config.prefix_cache else None
         self._stats = dict(steps=0, extend_steps=0, decode_steps=0, cache_hit_tokens=0, verify_steps=0,
                            verify_rows=0, accepted_draft_tokens=0, generated_tokens=0, prompt_tokens=0,
-                           evicted_slots=0, evicted_pages=0, deferred=0, skipped_checkpoints=0)
+                           evicted_slots=0, evicted_pages=0, deferred=0, skipped_checkpoints=0,
+                           overlapped_dispatches=0)
         self.admission = Admission(config, self.pool, self.tree, self._stats)
         if self.pool.unified:  # the longest sequence: every page but those of one request's slots
             page_cap = (num_units - (1 + self.admission.slots_per_request) * lay.slot_units) // lay.page_units - 1
@@ -144,7 +145,7 @@ class Engine:
         self._rids = itertools.count()
         self._sids = itertools.count(1)
         self._lock = threading.RLock()
-        self._inflight: InFlight | None = None
+        self._flights: list[InFlight] = []  # dispatched, outputs not committed yet (oldest first)
         self._stats["resets"] = 0
         if config.warmup:
             self.warmup()
@@ -263,8 +264,20 @@ class Engine:
     # ------------------------------------------------------------------- the step
 
     def step(self) -> None:
-        """Admit, run one compiled step over the running requests, commit its outputs."""
+        """Admit, run one compiled step over the running requests, commit its outputs.
+
+        With overlap (`EngineConfig.overlap`) a decode dispatch is left in flight when the
+        call returns, and the next call dispatches the one after it (planned ahead,
+        `Scheduler.plan_ahead`) before it reads and commits it: the host's work of a dispatch
+        runs while the device computes the next. Admission, prefill and checkpoint steps
+        settle everything first, as without overlap."""
         with self._lock:
+            ahead = self._plan_ahead()
+            if ahead is not None:
+                self._dispatch(ahead, feed_from=self._flights[-1])
+                self._stats["overlapped_dispatches"] += 1
+                self._settle(keep_last=True)
+                return
             self._settle()
             for r in self.admission.admit_waiting(self.waiting):  # never admissible: given up
                 if r.session is not None:
@@ -272,42 +285,61 @@ class Engine:
             plan = self.scheduler.plan(self.drafts_for)
             if plan is None:
                 return
-            try:
-                shape = self.runner.shape(plan.mode, len(plan.rows), sum(plan.new_tokens), plan.max_pages)
-                batch = pack_batch(shape, plan.rows, self.config.spec_steps, self.config.max_stop_ids)
-                self._apply_pool()
-                with critical():  # the donated arena and the in-flight record change together
-                    out = self.runner.run(shape, batch)
-                    self._inflight = InFlight(plan, out)
-            except BaseException:
-                if self._inflight is None or self._inflight.plan is not plan:
-                    self.scheduler.abandon(plan)
-                    if self.runner.state_lost():
-                        self.reset()
-                raise
-            self._settle()
+            self._dispatch(plan)
+            if not (self.runner.overlap and plan.mode == "decode"):
+                self._settle()
 
-    def _settle(self) -> None:
-        """Commit a dispatched step whose outputs were not read yet (an earlier call was
-        interrupted), and make sure the device state is whole."""
-        flight = self._inflight
-        if flight is None:
+    def _plan_ahead(self):
+        """The next decode dispatch, planned before the one in flight is read; None unless
+        overlapping applies: one decode dispatch in flight, nothing waiting that a free row
+        could admit."""
+        if not self.runner.overlap or len(self._flights) != 1 or self._flights[0].failed_reads:
+            return None
+        if self.waiting and len(self.running) < self.config.max_running:
+            return None
+        return self.scheduler.plan_ahead(self._flights[0].plan)
+
+    def _dispatch(self, plan: StepPlan, feed_from: InFlight | None = None) -> None:
+        """Pack and run `plan`; it joins the steps in flight (its outputs are not read here)."""
+        try:
+            shape = self.runner.shape(plan.mode, len(plan.rows), sum(plan.new_tokens), plan.max_pages)
+            batch = pack_batch(shape, plan.rows, self.config.spec_steps, self.config.max_stop_ids)
+            feed = None if feed_from is None else DecodeFeed(feed_from.out, np.asarray(plan.feed_rows, np.int32),
+                                                            np.asarray(plan.feed_steps, np.int32))
+            self._apply_pool()
+            with critical():  # the donated arena and the in-flight record change together
+                out = self.runner.run(shape, batch, feed)
+                self._flights.append(InFlight(plan, out))
+        except BaseException:
+            if not any(f.plan is plan for f in self._flights):
+                self.scheduler.abandon(plan)
+                if self.runner.state_lost():
+                    self.reset()
+            raise
+
+    def _settle(self, keep_last: bool = False) -> None:
+        """Commit the dispatched steps whose outputs were not read yet, oldest first (an
+        earlier call was interrupted, or overlap left one in flight), but the newest with
+        keep_last; and make sure the device state is whole."""
+        if not self._flights:
             if self.runner.state_lost():
                 self.reset()
             return
-        try:
-            host = self._fetch(flight.out)
-        except KeyboardInterrupt:
-            raise  # the outputs are still on the device: the next call reads them
-        except Exception:
-            flight.failed_reads += 1
-            if flight.failed_reads >= 2:  # they cannot be read: restart from the tokens
-                self.reset()
-            raise
-        with critical():
-            self.scheduler.commit(flight.plan, host)
-            self._inflight = None
-        self._apply_pool()
+        while len(self._flights) > (1 if keep_last else 0):
+            flight = self._flights[0]
+            try:
+                host = self._fetch(flight.out)
+            except KeyboardInterrupt:
+                raise  # the outputs are still on the device: the next call reads them
+            except Exception:
+                flight.failed_reads += 1
+                if flight.failed_reads >= 2:  # they cannot be read: restart from the tokens
+                    self.reset()
+                raise
+            with critical():
+                self.scheduler.commit(flight.plan, host)
+                self._flights.pop(0)
+            self._apply_pool()
 
     def _fetch(self, out: StepOutput) -> HostOutputs:
         """The step's outputs on the host (the one device-to-host transfer of a step)."""
@@ -327,9 +359,9 @@ class Engine:
         request and session restarts from its tokens (outputs stay exact: the state is a
         pure function of them), the prefix cache is emptied, a step in flight is dropped."""
         with self._lock, critical():
-            if self._inflight is not None:
-                self.scheduler.abandon(self._inflight.plan)
-                self._inflight = None
+            for flight in self._flights:
+                self.scheduler.abandon(flight.plan)
+            self._flights.clear()
             for r in list(self.running):
                 self.admission.release(r.held)
                 r.held, r.virtual_cow_slot, r.drafts = type(r.held)(), 0, []
@@ -403,7 +435,7 @@ class Engine:
         """Compile everything serving can use: every step bucket (decode or verify, and
         extend) and the compaction copy for every move count; afterwards nothing compiles."""
         with self._lock:
-            self.runner.warmup(max_move_units=self.pool.num_units)
+            self.runner.warmup(max_move_units=self.pool.num_units, overlap=self.runner.overlap)
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
@@ -488,5 +520,8 @@ class Engine:
                 continue
             assert np.array_equal(host, recorded) and np.array_equal(host, np.asarray(device)), \
                 f"the device's {name} id table differs from the pool's"
-        if self._inflight is not None:
-            assert all(r in self.running for r in self._inflight.plan.requests), "a step in flight lost a request"
+        for flight in self._flights:
+            # a dispatch planned ahead (overlap) may hold requests that finished when the one
+            # before it was committed: the device runs their rows as padding
+            assert all(r in self.running or (flight.plan.feed_rows is not None and r.finish_reason is not None)
+                       for r in flight.plan.requests), "a step in flight lost a request"

@@ -21,9 +21,11 @@ the engine plans in its units, which mean the same rows on every device.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -39,7 +41,7 @@ from ..config import InklingConfig
 from ..parallel import serving
 from ..parallel.plan import ShardPlan
 from ..parallel.planner import MemoryPlan
-from ..steps import StepBatch, StepOutput, StepShape, check_batch, compile_lowered, compile_step
+from ..steps import StepBatch, StepOutput, StepShape, check_batch, compile_lowered, compile_step, feed_decode
 from .config import EngineConfig
 from .interrupts import critical
 
@@ -48,6 +50,20 @@ from .interrupts import critical
 # likewise, per padded move count.
 _COMPILED: dict[Any, Any] = {}
 _MOVES: dict[Any, Any] = {}
+
+
+@dataclass
+class DecodeFeed:
+    """Where a decode dispatch's rows continue the previous dispatch's (`steps/feed.py`)."""
+
+    prev: StepOutput  # the previous dispatch's outputs, still on the device
+    rows: np.ndarray  # [rows] int32: the previous dispatch's row each row continues
+    steps: np.ndarray  # [rows] int32: the steps that row was planned for
+
+
+def pad_to(x: np.ndarray, n: int, value: int) -> np.ndarray:
+    """x (1-D int32) padded with `value` to length n."""
+    return np.concatenate([np.asarray(x, np.int32), np.full(n - len(x), value, np.int32)])
 
 
 def pow2_ceil(n: int) -> int:
@@ -121,6 +137,16 @@ def resolve_use_pallas(config: EngineConfig) -> bool:
 AUTO_DECODE_STEPS = 8
 
 
+def resolve_overlap(config: EngineConfig, decode_steps: int) -> bool:
+    """Whether the engine overlaps decode dispatches (`steps/feed.py`); "auto": on a GPU or
+    TPU, with multi-step decode and without speculative decoding."""
+    if config.overlap == "auto":
+        return jax.default_backend() in ("gpu", "tpu") and decode_steps > 1 and not config.spec_steps
+    if config.overlap and decode_steps < 2:
+        raise ValueError("EngineConfig: overlap needs multi-step decode (decode_steps > 1; 'auto' is 1 on the CPU)")
+    return bool(config.overlap)
+
+
 def resolve_decode_steps(config: EngineConfig) -> int:
     if config.decode_steps == "auto":
         return AUTO_DECODE_STEPS if jax.default_backend() in ("gpu", "tpu") else 1
@@ -140,6 +166,7 @@ class StepRunner:
         self.plan = plan
         self.use_pallas = resolve_use_pallas(config)
         self.decode_steps = resolve_decode_steps(config)
+        self.overlap = resolve_overlap(config, self.decode_steps)
         self.compile_cache_dir = enable_compile_cache(config.compile_cache_dir)
         self.ops = conv_ops(self.use_pallas, config.pallas_interpret)
         self.dtype = params["unembed"].dtype
@@ -217,11 +244,19 @@ class StepRunner:
             self.compiled[shape] = fn
         return fn
 
-    def warmup(self, max_move_units: int) -> None:
+    def warmup(self, max_move_units: int, overlap: bool = False) -> None:
         """Compile every bucket the scheduler can pick, and the compaction copy for every
-        padded move count up to max_move_units: nothing compiles while serving."""
+        padded move count up to max_move_units (with overlap, the decode feed for every pair
+        of batch buckets too): nothing compiles while serving."""
         for shape in self.all_shapes():
             self.compiled_step(shape)
+        if overlap:
+            ns, k = self.config.max_stop_ids, self.decode_steps
+            for b in self.batch_buckets:
+                for bp in self.batch_buckets:
+                    i32 = lambda *n: np.zeros(n, np.int32)
+                    feed_decode(i32(b), i32(b), i32(b), i32(b, ns), jnp.zeros((bp, k), jnp.int32),
+                                jnp.zeros(bp, jnp.int32), i32(b), i32(b))
         n = 1
         while True:
             self._move_fn(n)
@@ -231,10 +266,22 @@ class StepRunner:
 
     # ---------------------------------------------------------------- running
 
-    def run(self, shape: StepShape, batch: StepBatch) -> StepOutput:
-        """Run one compiled step (the state is donated and replaced); device outputs."""
+    def run(self, shape: StepShape, batch: StepBatch, feed: "DecodeFeed | None" = None) -> StepOutput:
+        """Run one compiled step (the state is donated and replaced); device outputs.
+
+        feed: a multi-step decode dispatched before the previous one's outputs were read
+        (the engine's overlap): its rows' tokens and activity come from `feed.prev` on the
+        device (`steps/feed.py`)."""
         check_batch(batch, shape, self.config.spec_steps, self.config.max_stop_ids)
         fn = self.compiled_step(shape)
+        if feed is not None:
+            if shape.mode != "decode" or shape.steps < 2:
+                raise ValueError("only multi-step decode dispatches are fed from the previous one")
+            tokens, num_new, num_steps = feed_decode(batch.tokens, batch.num_new, batch.num_steps, batch.stop_ids,
+                                                     feed.prev.tokens, feed.prev.num_accepted,
+                                                     pad_to(feed.rows, shape.batch, -1),
+                                                     pad_to(feed.steps, shape.batch, 0))
+            batch = dataclasses.replace(batch, tokens=tokens, num_new=num_new, num_steps=num_steps)
         out, self.state = fn(self.params, self.state, batch)
         return out
 

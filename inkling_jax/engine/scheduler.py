@@ -54,6 +54,10 @@ class StepPlan:
     new_tokens: list[int]  # per request: tokens this step adds (verify: 1 + spec_steps candidates)
     checkpoints: list[list[Checkpoint]]  # per request: the checkpoints the step writes
     rows: list[RowPlan] = field(default_factory=list)
+    # planned ahead (`plan_ahead`): row i continues row feed_rows[i] of the previous dispatch,
+    # planned for feed_steps[i] steps; its token and activity come from that dispatch's outputs
+    feed_rows: list[int] | None = None
+    feed_steps: list[int] | None = None
 
     @property
     def max_pages(self) -> int:
@@ -111,24 +115,66 @@ class Scheduler:
         plan.rows = [self._row_plan(mode, r, n, cks, drafts_for) for r, n, cks in zip(running, new_tokens, checkpoints)]
         return plan
 
+    def plan_ahead(self, prev: StepPlan) -> StepPlan | None:
+        """The decode dispatch after `prev`, planned before prev's outputs are read (overlap):
+        as if every row of prev ran all its planned steps without stopping (the device feed
+        turns rows that stopped into padded ones, `steps/feed.py`). None when nothing can be
+        planned ahead: prev is not a decode dispatch, it writes a checkpoint (the ping-pong
+        rotation it implies is not applied yet), or no row continues (each reaches its
+        max_new_tokens in prev)."""
+        if prev.mode != "decode" or self.config.spec_steps or any(prev.checkpoints):
+            return None
+        interval = self.config.track_interval
+        requests, new_tokens, checkpoints, starts, feed_rows, feed_steps = [], [], [], [], [], []
+        for i, (r, n_prev) in enumerate(zip(prev.requests, prev.new_tokens)):
+            remaining = r.sampling.max_new_tokens - len(r.out_tokens) - n_prev
+            if r.finish_reason is not None or remaining <= 0:
+                continue
+            start = r.committed + n_prev
+            first = (start // interval + 1) * interval
+            n = min(self.decode_steps, remaining, first + interval - 1 - start)
+            n, cks = self.checkpoints.plan(r, n, start=start)
+            requests.append(r)
+            new_tokens.append(n)
+            checkpoints.append(cks)
+            starts.append(start)
+            feed_rows.append(i)
+            feed_steps.append(n_prev)
+        if not requests:
+            return None
+        for r, n, start in zip(requests, new_tokens, starts):
+            self.admission.grow_pages(r.held, start + n)
+        plan = StepPlan("decode", requests, new_tokens, checkpoints, feed_rows=feed_rows, feed_steps=feed_steps)
+        plan.rows = [self._row_plan("decode", r, n, cks, None, start=start)
+                     for r, n, cks, start in zip(requests, new_tokens, checkpoints, starts)]
+        return plan
+
     def abandon(self, plan: StepPlan) -> None:
-        """The planned step will not be committed: give back the slots it took."""
+        """The planned step will not be committed: give back the slots it took (requests that
+        finished meanwhile gave back everything already)."""
         for r in plan.requests:
-            self.checkpoints.abandon(r)
+            if r in self.running:
+                self.checkpoints.abandon(r)
 
     def stop_ids(self, r: Request) -> list[int]:
         eos = [self.cfg.eos_token_id] if r.sampling.stop_at_eos and self.cfg.eos_token_id is not None else []
         return eos + list(r.sampling.stop_token_ids)
 
     def _row_plan(self, mode: str, r: Request, n: int, checkpoints: list[Checkpoint],
-                  drafts_for: DraftSource) -> RowPlan:
+                  drafts_for: DraftSource | None, start: int | None = None) -> RowPlan:
+        """r's row; `start`: planned ahead, the row starts at that position (its token is fed on
+        the device, a placeholder here)."""
         held, spec = r.held, self.config.spec_steps
-        row = RowPlan(tokens=[], seq_start=held.committed, virtual_slot=held.virtual_slot,
-                      virtual_pages=held.virtual_pages, virtual_cow_slot=r.virtual_cow_slot,
+        seq_start = held.committed if start is None else start
+        row = RowPlan(tokens=[], seq_start=seq_start, virtual_slot=held.virtual_slot,
+                      virtual_pages=held.virtual_pages, virtual_cow_slot=r.virtual_cow_slot if start is None else 0,
                       temperature=r.sampling.temperature, top_k=r.sampling.top_k, top_p=r.sampling.top_p,
                       seed=r.seed, stop_ids=self.stop_ids(r)[:self.config.max_stop_ids],
                       virtual_track_slots=[ck.virtual_slot for ck in checkpoints],
-                      track_lens=[ck.depth - held.committed for ck in checkpoints])
+                      track_lens=[ck.depth - seq_start for ck in checkpoints])
+        if start is not None:
+            row.tokens, row.num_steps, row.sample_next = [0], n, True
+            return row
         if mode == "verify":
             row.tokens = [r.tokens[held.committed]] + list(drafts_for(r))
             remaining = r.sampling.max_new_tokens - len(r.out_tokens)
@@ -150,7 +196,10 @@ class Scheduler:
         self.stats["steps"] += 1
         self.stats[f"{plan.mode}_steps"] += 1
         now = time.perf_counter()
+        live = {id(r) for r in self.running}
         for i, (r, n, cks) in enumerate(zip(plan.requests, plan.new_tokens, plan.checkpoints)):
+            if id(r) not in live:  # planned ahead, then finished (or aborted) before this step: the
+                continue           # device ran its row as padding (steps/feed.py), its slots are gone
             r.virtual_cow_slot = 0
             if plan.mode == "verify":
                 self._commit_verify(r, plan.rows[i], out, i, now)
@@ -169,7 +218,7 @@ class Scheduler:
                 self.emit(r, int(out.tokens[i]), float(out.logprobs[i]), now)
                 if self.config.spec_steps:
                     r.drafts = [int(t) for t in out.drafts[i]]
-        finished = [r for r in plan.requests if r.finish_reason is not None]
+        finished = [r for r in plan.requests if r.finish_reason is not None and id(r) in live]
         for r in finished:
             self.finish(r)
         return finished

@@ -5,13 +5,15 @@
     sampling.py  sampling and speculative acceptance
     draft.py     the MTP draft phase
     program.py   run_step / step_logits, compile_step
+    feed.py      feed_decode: a decode dispatch fed by the previous one's device outputs (overlap)
 """
 
 from .batch import DEFAULT_MAX_STOP_IDS, MODES, RowPlan, StepBatch, StepShape, check_batch, pack_batch
 from .context import RowMeta, StepContext
+from .feed import feed_decode
 from .program import StepOutput, compile_lowered, compile_step, run_step, step_logits
 from .sampling import accept_drafts, sample_tokens
 
 __all__ = ["DEFAULT_MAX_STOP_IDS", "MODES", "RowMeta", "RowPlan", "StepBatch", "StepContext", "StepOutput",
-           "StepShape", "accept_drafts", "check_batch", "compile_lowered", "compile_step", "pack_batch", "run_step",
-           "sample_tokens", "step_logits"]
+           "StepShape", "accept_drafts", "check_batch", "compile_lowered", "compile_step", "feed_decode", "pack_batch",
+           "run_step", "sample_tokens", "step_logits"]
