@@ -120,15 +120,16 @@ def test_dead_key_blocks_are_skipped(window):
     k_valid = k_valid.at[0, 32:48].set(False)  # row 0: key block 2 has no valid key
     nk_blocks = 96 // bk
     q_pad = jnp.pad(q_pos, ((0, 0), (0, 48 - 40)), mode="edge")
-    order, count = attn.live_blocks(q_pad, k_pos, k_valid, window, bq, bk)
+    order, ends = attn.live_blocks(q_pad, k_pos, k_valid, window, 32, bq, bk)
+    assert order.dtype == ends.dtype == jnp.int32
     allowed = allowed_np(q_pad, k_pos, k_valid, window)  # [B, Qp, K]
     pair = allowed.reshape(2, 3, bq, nk_blocks, bk).any(axis=(2, 4))  # [B, nq, nk]: block holds an allowed pair
-    order, count = np.asarray(order), np.asarray(count)
+    order, count = np.asarray(order), np.asarray(ends)[..., 2]
     for bi in range(2):
         for i in range(3):
             live = set(order[bi, i, :count[bi, i]].tolist())
             assert set(np.nonzero(pair[bi, i])[0].tolist()) <= live  # conservative
-            assert sorted(live) == order[bi, i, :count[bi, i]].tolist()  # ascending
+            assert sorted(order[bi, i].tolist()) == list(range(nk_blocks))  # a permutation
     assert (count < nk_blocks).all()
     dead = ~pair.any(axis=1)  # [B, nk]: key blocks no query block uses
     assert dead.sum() >= 3  # the future blocks (keys >= 68), row 0's invalid block, (window) the old ones
@@ -141,6 +142,104 @@ def test_dead_key_blocks_are_skipped(window):
     assert np.isfinite(np.asarray(out)).all()
     close(out, want, rtol=1e-5, atol=1e-5)
     assert float(jnp.abs(out).max()) > 0.1
+
+
+def far_case(rng, *, dtype, layout, window, e=16, invalid_frac=0.15):
+    """2 rows of 96 queries (positions 64..159) over 160 keys (positions 0..159) in `layout`
+    order: "sorted", "blocks" (the 16-key blocks permuted and each shuffled inside: position
+    ranges stay compact, so far blocks exist) or "shuffled" (a random permutation: far blocks
+    are rare). Row 1's keys at positions 24..79 and past 120 are invalid: its first query
+    block's (positions 64..79) only allowed keys are at distance >= 41 (far, unless a window
+    cuts the block)."""
+    b, nq, nk, h, hkv, d = 2, 96, 160, 2, 1, 16
+    q = rand(rng, (b, nq, h, d), dtype)
+    k = rand(rng, (b, nk, hkv, d), dtype)
+    v = rand(rng, (b, nk, hkv, d), dtype)
+    rel = rand(rng, (b, nq, h, e), dtype, scale=0.5)
+    q_pos = np.broadcast_to(64 + np.arange(nq), (b, nq)).astype(np.int32)
+    rows = []
+    for _ in range(b):
+        if layout == "sorted":
+            rows.append(np.arange(nk))
+        elif layout == "blocks":
+            rows.append(np.concatenate([rng.permutation(16) + 16 * j for j in rng.permutation(nk // 16)]))
+        else:
+            rows.append(rng.permutation(nk))
+    k_pos = np.stack(rows).astype(np.int32)
+    k_valid = rng.random((b, nk)) >= invalid_frac
+    k_valid[1] &= (k_pos[1] < 24) | ((k_pos[1] >= 80) & (k_pos[1] <= 120))
+    k_pos = np.where(k_valid, k_pos, -7 if layout == "shuffled" else k_pos).astype(np.int32)
+    return q, k, v, rel, jnp.asarray(q_pos), jnp.asarray(k_pos), jnp.asarray(k_valid)
+
+
+FAR_CASES = {
+    # name: (dtype, window, key layout)
+    "f32_causal_sorted": (jnp.float32, None, "sorted"),
+    "bf16_causal_blocks": (jnp.bfloat16, None, "blocks"),
+    "f32_window_blocks": (jnp.float32, 72, "blocks"),  # window > E: far blocks must also be inside it
+    "bf16_window_shuffled": (jnp.bfloat16, 100, "shuffled"),
+}
+
+
+def check_block_classes(q_pos, k_pos, k_valid, window, e, bq, bk):
+    """live_blocks' classes against brute force over every (query, key) pair: each live list
+    is a permutation split into (far all-valid, far, near, dead) segments, ascending inside;
+    a far block has a valid key and every (query, valid key) pair allowed at distance >= e
+    (class 0: every key valid); every block holding an allowed pair is live. Returns the
+    number of blocks of each class."""
+    order, ends = attn.live_blocks(q_pos, k_pos, k_valid, window, e, bq, bk)
+    assert order.dtype == ends.dtype == jnp.int32
+    order, ends = np.asarray(order), np.asarray(ends)
+    b, nq, nk = order.shape
+    d = np.asarray(q_pos)[:, :, None].astype(np.int64) - np.asarray(k_pos)[:, None, :]
+    d = d.reshape(b, nq, bq, nk, bk)
+    ok = np.broadcast_to(np.asarray(k_valid).reshape(b, 1, 1, nk, bk), d.shape)
+    allowed = allowed_np(q_pos, k_pos, k_valid, window).reshape(d.shape)
+    counts = np.zeros(4, int)
+    for bi in range(b):
+        for i in range(nq):
+            n0, n1, n2 = ends[bi, i]
+            segs = [order[bi, i, :n0], order[bi, i, n0:n1], order[bi, i, n1:n2], order[bi, i, n2:]]
+            assert sorted(order[bi, i].tolist()) == list(range(nk))
+            for c, seg in enumerate(segs):
+                counts[c] += len(seg)
+                assert (np.diff(seg) > 0).all()
+                for j in seg:
+                    okj, dj, aj = ok[bi, i, :, j], d[bi, i, :, j], allowed[bi, i, :, j]
+                    if c < 2:
+                        assert okj.any() and (aj == okj).all() and (dj[okj] >= e).all()
+                        assert (c == 1) or okj.all()
+                    if c == 3:
+                        assert not aj.any()
+    return counts
+
+
+@pytest.mark.parametrize("name", list(FAR_CASES))
+def test_far_blocks(name):
+    """Key blocks at distance >= E from every query of the block skip the bias gather and the
+    causal / window masks (the far loops): the kernel still equals the reference, with far
+    blocks of both kinds (every key valid; some invalid) and near blocks, keys in any position
+    order, and a query block whose only allowed keys are far."""
+    dtype, window, layout = FAR_CASES[name]
+    rng = np.random.default_rng(sum(map(ord, name)))
+    args = far_case(rng, dtype=dtype, layout=layout, window=window)
+    q_pos, k_pos, k_valid = args[4:]
+    counts = check_block_classes(q_pos, k_pos, k_valid, window, 16, 16, 16)
+    if layout != "shuffled":
+        assert counts[0] > 0 and counts[1] > 0 and counts[2] > 0, counts
+    # row 1, query block 0 (positions 64..79): every allowed key is at distance >= 41
+    if window is None:  # ... so its key blocks are all far
+        ends = np.asarray(attn.live_blocks(q_pos, k_pos, k_valid, window, 16, 16, 16)[1])
+        assert ends[1, 0, 1] == ends[1, 0, 2] > 0
+    allowed = allowed_np(q_pos, k_pos, k_valid, window)[1, :16]
+    dist = np.asarray(q_pos)[1, :16, None] - np.asarray(k_pos)[1][None, :]
+    assert allowed.any(-1).all() and (dist[allowed] >= 40).all()
+    out = kernel(*args, window=window)
+    want = attn_ref.attention(*args, window=window)
+    close(out, want, **TOL[dtype])
+    has_key = allowed_np(q_pos, k_pos, k_valid, window).any(-1)
+    norms = np.abs(np.asarray(out, np.float32)).sum(axis=(2, 3))
+    assert (norms[has_key] > 0).all() and (norms[~has_key] == 0).all()
 
 
 def test_default_blocks_and_fallback():
