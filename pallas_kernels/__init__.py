@@ -4,6 +4,7 @@ library that calls them (they take arena rows, index arrays and static sizes, no
     conv_state/  ref.py, pallas.py   fused short-conv update and window writes
     slot_ops/    ref.py, pallas.py   field reads / writes; copy and clear of unit runs
     attention/   ref.py, pallas.py   flash-style attention with the relative bias (prefill / extend)
+                 decode_ref.py, decode.py   decode / verify attention reading rings and pages in place
     moe/         ref.py, pallas.py   grouped mat-vec for the routed experts of a few tokens
                  grouped.py          sorted-block grouped GEMMs for the routed experts of many
 
@@ -23,6 +24,10 @@ has the reference's signature (`interpret` is bound):
     moe_experts_many(x, idx, weight, w13, w2) -> y, the same for many tokens, or None
     attention(q, k, v, rel, q_pos, k_pos, k_valid, *, window) -> out, or None (the model's
         attention_core materialises the scores then)
+    ring_attention(q, rel, k_new, v_new, q_pos, q_valid, arena, ring_unit_row, seq_start,
+        has_state, *, ring, window) -> out, or None (the step gathers the ring then)
+    paged_attention(q, rel, k_new, v_new, q_pos, q_valid, arena, page_unit_row, seq_start, *,
+        page_size, window) -> out, or None (the step gathers the pages then)
 
 `use_pallas`: False -> the jnp references; True -> the Pallas kernels; "auto" -> Pallas when
 `jax.default_backend() == "gpu"`, the references otherwise. `interpret=True` runs the Pallas
@@ -51,12 +56,14 @@ class ConvOps:
     moe_experts: Callable | None  # few-token routed experts (layers.moe_mlp's few_token_experts)
     moe_experts_many: Callable | None  # many-token routed experts (layers.moe_mlp's many_token_experts)
     attention: Callable | None  # fused attention of many queries (steps.context.StepContext.attend)
+    ring_attention: Callable | None  # few queries against sliding rings read in place (decode / verify)
+    paged_attention: Callable | None  # few queries against full-attention pages read in place
     pallas: bool  # True: the Pallas kernels
     interpret: bool
 
 
 REFERENCE_OPS = ConvOps(conv_state.ref.conv_update, conv_state.ref.conv_write, slot_ops.ref.copy_units,
-                        slot_ops.ref.clear_units, None, None, None, pallas=False,
+                        slot_ops.ref.clear_units, None, None, None, None, None, pallas=False,
                         interpret=False)
 
 
@@ -92,6 +99,10 @@ def _pallas_ops(interpret: bool) -> ConvOps:
                    jitted(moe.pallas.moe_experts, "tf", "bh", "splits", "num_warps", "target_programs"),
                    jitted(moe.grouped.moe_experts_grouped, "bm", "bn", "bk", "num_warps", "num_stages"),
                    jitted(attention.pallas.attention, "window", "bq", "bk", "num_warps", "num_stages"),
+                   jitted(attention.decode.ring_attention, "ring", "window", "num_splits", "bk", "num_warps",
+                          "num_stages"),
+                   jitted(attention.decode.paged_attention, "page_size", "window", "num_splits", "num_warps",
+                          "num_stages"),
                    pallas=True, interpret=interpret)
 
 

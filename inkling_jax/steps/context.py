@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Int
+from jaxtyping import Array, Bool, Int
 from pallas_kernels.conv_state import ref as conv_ref
 from pallas_kernels.conv_state.ref import PackedRows
 
@@ -110,31 +110,47 @@ class StepContext:
         q_pos = meta.seq_start[:, None] + jnp.arange(qn)[None, :]
         qp, kp, vp, rp = q[q_idx], k[q_idx], v[q_idx], r[q_idx]
 
-        if geom.is_sliding:
-            ctx_k, ctx_v, ctx_pos, ctx_valid, old_ring = self._ring_keys(geom)
-        else:
-            ctx_k, ctx_v, ctx_pos, ctx_valid = self._page_keys(geom)
-        if self.ops.attention is not None and qn >= FUSED_ATTENTION_MIN_QUERY:
-            # one key set (context, then the step's own tokens) through the flash kernel
+        ops, lay = self.ops, self.layout
+        in_place = ops.ring_attention if geom.is_sliding else ops.paged_attention
+        old_ring = None  # the sliding ring before this step, where it was read
+        if in_place is not None and qn < FUSED_ATTENTION_MIN_QUERY:
+            # decode / verify: the kernels read the ring or the pages in place from the arena
             qs, rel = L.attention_tables(qp, rp, rel_proj, q_pos, geom, self.cfg)
-            out = self.ops.attention(qs, jnp.concatenate([ctx_k.astype(kp.dtype), kp], axis=1),
-                                     jnp.concatenate([ctx_v.astype(vp.dtype), vp], axis=1), rel, q_pos,
-                                     jnp.concatenate([ctx_pos, q_pos], axis=1),
-                                     jnp.concatenate([ctx_valid, q_valid], axis=1), window=geom.window)
+            if geom.is_sliding:
+                out = in_place(qs, rel, kp, vp, q_pos, q_valid, self.arena,
+                               lay.slot_row(meta.physical_slot, self.fields.ring), meta.seq_start,
+                               meta.rows.has_state, ring=lay.ring, window=geom.window)
+            else:
+                out = in_place(qs, rel, kp, vp, q_pos, q_valid, self.arena,
+                               lay.page_row(self.physical_pages, self.arena.shape[0], self.page_layer),
+                               meta.seq_start, page_size=lay.page_size, window=geom.window)
         else:
-            out = L.attention_core(qp, (ctx_k, kp), (ctx_v, vp), rp, rel_proj, q_pos, (ctx_pos, q_pos),
-                                   (ctx_valid, q_valid), geom, self.cfg)
+            if geom.is_sliding:
+                ctx_k, ctx_v, ctx_pos, ctx_valid, old_ring = self._ring_keys(geom)
+            else:
+                ctx_k, ctx_v, ctx_pos, ctx_valid = self._page_keys(geom)
+            if ops.attention is not None and qn >= FUSED_ATTENTION_MIN_QUERY:
+                # one key set (context, then the step's own tokens) through the flash kernel
+                qs, rel = L.attention_tables(qp, rp, rel_proj, q_pos, geom, self.cfg)
+                out = ops.attention(qs, jnp.concatenate([ctx_k.astype(kp.dtype), kp], axis=1),
+                                    jnp.concatenate([ctx_v.astype(vp.dtype), vp], axis=1), rel, q_pos,
+                                    jnp.concatenate([ctx_pos, q_pos], axis=1),
+                                    jnp.concatenate([ctx_valid, q_valid], axis=1), window=geom.window)
+            else:
+                out = L.attention_core(qp, (ctx_k, kp), (ctx_v, vp), rp, rel_proj, q_pos, (ctx_pos, q_pos),
+                                       (ctx_valid, q_valid), geom, self.cfg)
 
         if geom.is_sliding:
             f = self.fields.ring
             kv = jnp.stack([k, v], axis=1)
-            write = lambda arena, m: self._write_ring(arena, m, f, old_ring, kv)
+            # the writes take `out` (see set_rows): they wait for the reads of the old state
+            write = lambda arena, m: self._write_ring(arena, m, f, old_ring, kv, out)
             if self.deferred:
                 self.pending.append(write)
             else:
                 self.arena = write(self.arena, self.meta)
         else:
-            self._write_pages(k, v)
+            self._write_pages(k, v, out)
         return out[meta.rows.token_row, meta.rows.token_offset]
 
     @jax.named_scope("read_pages")
@@ -147,7 +163,7 @@ class StepContext:
         return kv[:, :, 0], kv[:, :, 1], pos, valid
 
     @jax.named_scope("write_pages")
-    def _write_pages(self, k: Array, v: Array) -> None:
+    def _write_pages(self, k: Array, v: Array, after: Array) -> None:
         """Store every valid new token's K/V at its position (drafts included: positions past
         the committed length are rewritten before any query can see them)."""
         lay, meta = self.layout, self.meta
@@ -162,7 +178,7 @@ class StepContext:
         t = k.shape[0]
         kv = jnp.stack([k, v], axis=1).reshape(t, -1).astype(self.arena.dtype)
         arena3 = self.arena.reshape(self.arena.shape[0], ps, -1)
-        self.arena = set_rows(arena3, rows, offset, kv).reshape(self.arena.shape)
+        self.arena = set_rows(arena3, rows, offset, kv, valid, after).reshape(self.arena.shape)
 
     @jax.named_scope("read_ring")
     def _ring_keys(self, geom: AttentionGeometry):
@@ -177,14 +193,38 @@ class StepContext:
         return ring[:, :, 0], ring[:, :, 1], pos, valid, ring
 
     @jax.named_scope("write_ring")
-    def _write_ring(self, arena: Array, meta: RowMeta, f, old_ring: Array, kv: Array) -> Array:
+    def _write_ring(self, arena: Array, meta: RowMeta, f, old_ring: Array | None, kv: Array, after: Array) -> Array:
         """Active ring: the first commit_len new tokens written into their rows (the last R
-        of them); checkpoint ring m: the old ring with the first track_len[:, m] tokens written."""
+        of them); checkpoint ring m: the old ring with the first track_len[:, m] tokens written.
+
+        old_ring: the rings as the attention read them, or None (the attention read them in
+        place): they are then read here, where needed, from `arena` before the active write.
+        `after` (the attention output) orders every write after the attention's reads: see
+        `set_rows`."""
         lay, rows = self.layout, meta.rows
         r = lay.ring
         b = meta.seq_start.shape[0]
         row, off = rows.token_row, rows.token_offset
         slot_idx = jnp.mod(self.positions, r)
+        has_state = rows.has_state[:, None, None, None, None]
+        read_old = lambda a: read_slot_field(a, lay, meta.physical_slot, f) if old_ring is None else old_ring
+
+        def checkpoint(arena):
+            old = jnp.where(has_state, read_old(arena), 0)
+            for m in range(rows.track_len.shape[1]):  # each checkpoint: the old ring with its tokens written
+                tl = rows.track_len[row, m]
+                tkeep = (off < tl) & (off >= tl - r)
+                ck = old.at[jnp.where(tkeep, row, b), slot_idx].set(kv.astype(old.dtype), mode="drop")
+                arena = write_slot_field(arena, lay, meta.physical_track_slot[:, m], f, ck)
+            return arena
+
+        # most steps checkpoint no row: skip the whole-ring copy then. The checkpoints go first
+        # (they read the old active ring); the predicate takes `after` so that the conditional,
+        # which writes the arena in place, waits for the attention's reads (`never` is False)
+        x = after.reshape(-1)[0]
+        never = jnp.isnan(x) & jnp.isinf(x)
+        arena = jax.lax.cond(jnp.any(meta.physical_track_slot > 0) | never, checkpoint, lambda a: a, arena)
+
         n = rows.commit_len[row]
         keep = (off < n) & (off >= n - r)
         row_elems = math.prod(f.shape[1:])  # one ring row: [2, kv_heads, head_dim]
@@ -196,31 +236,28 @@ class StepContext:
             slot = jnp.where(keep, meta.physical_slot[row], 0)
             unit = lay.slot_row(slot, f) + slot_idx // per_unit
             view = arena.reshape(arena.shape[0], per_unit, row_elems)
-            arena = set_rows(view, unit, slot_idx % per_unit,
-                             kv.reshape(kv.shape[0], -1).astype(arena.dtype)).reshape(arena.shape)
-        else:
-            old = jnp.where(rows.has_state[:, None, None, None, None], old_ring, 0)
-            new = old.at[jnp.where(keep, row, b), slot_idx].set(kv.astype(old.dtype), mode="drop")
-            arena = write_slot_field(arena, lay, meta.physical_slot, f, new)
-
-        def checkpoint(arena):
-            old = jnp.where(rows.has_state[:, None, None, None, None], old_ring, 0)
-            for m in range(rows.track_len.shape[1]):  # each checkpoint: the old ring with its tokens written
-                tl = rows.track_len[row, m]
-                tkeep = (off < tl) & (off >= tl - r)
-                ck = old.at[jnp.where(tkeep, row, b), slot_idx].set(kv.astype(old.dtype), mode="drop")
-                arena = write_slot_field(arena, lay, meta.physical_track_slot[:, m], f, ck)
-            return arena
-
-        # most steps checkpoint no row: skip the whole-ring copy then
-        return jax.lax.cond(jnp.any(meta.physical_track_slot > 0), checkpoint, lambda a: a, arena)
+            return set_rows(view, unit, slot_idx % per_unit, kv.reshape(kv.shape[0], -1).astype(arena.dtype),
+                            keep, after).reshape(arena.shape)
+        old = jnp.where(has_state, read_old(arena), 0)
+        new = old.at[jnp.where(keep, row, b), slot_idx].set(kv.astype(old.dtype), mode="drop")
+        return write_slot_field(arena, lay, meta.physical_slot, f, new)
 
 
-def set_rows(view: Array, unit: Int[Array, "t"], sub: Int[Array, "t"], values: Array) -> Array:
+def set_rows(view: Array, unit: Int[Array, "t"], sub: Int[Array, "t"], values: Array, keep: Bool[Array, "t"],
+             after: Array) -> Array:
     """view[unit[i], sub[i]] = values[i] for a [units, rows, elems] view of the arena, every
-    index in bounds (masked tokens aim at a sink). One token (batch-1 decode) is a
-    dynamic-update-slice: XLA turns a one-index scatter into one that re-reads the target
-    to emulate out-of-bounds skipping, and that read made it copy the whole arena."""
+    index in bounds (masked tokens, keep[i] False, aim at a sink). One token (batch-1 decode)
+    is a dynamic-update-slice: XLA turns a one-index scatter into one that re-reads the target
+    to emulate out-of-bounds skipping, and that read made it copy the whole arena.
+
+    `after`: the result of the layer's reads of the old arena (its attention output). Masked
+    tokens write an element of it into the sink instead of their K/V, which makes the write
+    depend on it: without that nothing orders the in-place write (it depends on k, v only)
+    after the reads, and XLA's copy insertion copies the whole donated arena ahead of it, once
+    per layer. An optimization_barrier would not do on the CPU (XLA:CPU drops barriers before
+    copy insertion). The sink is only ever read as masked keys, and the value is finite
+    whenever the attention is (as the masked tokens' K/V were)."""
+    values = jnp.where(keep[:, None], values, after.reshape(-1)[0].astype(values.dtype))
     if unit.shape[0] == 1:
         zero = jnp.zeros((), unit.dtype)
         return jax.lax.dynamic_update_slice(view, values[:, None].astype(view.dtype), (unit[0], sub[0], zero))

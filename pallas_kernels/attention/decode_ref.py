@@ -1,0 +1,98 @@
+"""Decode / verify attention against the serving arena: the jnp reference (the oracle of
+`decode.py`'s kernels, same signatures without the tuning arguments).
+
+    ring_attention(q, rel, k_new, v_new, q_pos, q_valid, arena, ring_unit_row, seq_start, has_state,
+                   *, ring, window) -> out [B, Q, H, hd] in q's dtype
+    paged_attention(q, rel, k_new, v_new, q_pos, q_valid, arena, page_unit_row, seq_start,
+                    *, page_size, window=None) -> out [B, Q, H, hd]
+
+    q              [B, Q, H, hd]      queries, already tau-scaled (`layers.attention_tables`)
+    rel            [B, Q, H, E]       bias table, already tau-scaled, in q's dtype
+    k_new, v_new   [B, Q, nkv, hd]    the step's own keys / values (not yet in the arena)
+    q_pos          [B, Q] int32       positions of the queries and of the new keys
+                                      (the step builds seq_start[b] + i)
+    q_valid        [B, Q] bool        new key i of row b present
+    arena          [U, unit_elems]    the serving arena (`inkling_jax/cache/layout.py`)
+    seq_start      [B] int32          positions < seq_start[b] are the row's cached context
+    ring_unit_row  [B] int32          sliding layers: the arena row where the row's ring field
+                                      starts; the ring is a row-major [ring, 2, nkv, hd] array
+                                      over consecutive units (K at index 0, V at 1); ring row i
+                                      holds position (s-1) - ((s-1-i) mod ring), valid iff
+                                      has_state[b] and that position is >= 0
+    has_state      [B] bool           sliding layers: the row has a ring to read
+    page_unit_row  [B, P] int32       full layers: arena row of the row's p-th page (positions
+                                      [p*ps, (p+1)*ps)), each a row-major [ps, 2, nkv, hd]
+                                      array in one unit; context position j valid iff
+                                      j < seq_start[b] (unused columns: any row, masked)
+
+This is exactly what `inkling_jax.steps.context.StepContext.attend` computes today (the
+context gathered by `_ring_keys` / `_page_keys`, the new keys concatenated after it) with the
+scores of `ref.attention` (= `layers.attention_core` with the tables applied by the caller).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, Int
+
+from ..slot_ops.ref import read_field
+from . import ref
+
+
+def ring_keys(arena: Array, ring_unit_row: Int[Array, "B"], seq_start: Int[Array, "B"], has_state: Bool[Array, "B"],
+              *, ring: int, nkv: int, hd: int) -> tuple[Array, Array, Array, Array]:
+    """(k, v [B, R, nkv, hd], pos [B, R] int32, valid [B, R] bool): `context._ring_keys`."""
+    kv = read_field(arena, ring_unit_row.astype(jnp.int32), (ring, 2, nkv, hd))  # [B, R, 2, nkv, hd]
+    last = seq_start.astype(jnp.int32)[:, None] - 1
+    idx = jnp.arange(ring, dtype=jnp.int32)[None, :]
+    pos = last - jnp.mod(last - idx, ring)  # the position each ring row holds, in (s-1-R, s-1]
+    valid = has_state.astype(bool)[:, None] & (pos >= 0)
+    return kv[:, :, 0], kv[:, :, 1], pos, valid
+
+
+def page_keys(arena: Array, page_unit_row: Int[Array, "B P"], seq_start: Int[Array, "B"], *, nkv: int,
+              hd: int) -> tuple[Array, Array, Array, Array]:
+    """(k, v [B, P*ps, nkv, hd], pos, valid [B, P*ps]): `context._page_keys` (ps = the tokens
+    of one unit)."""
+    b = page_unit_row.shape[0]
+    kv = arena[page_unit_row.astype(jnp.int32)].reshape(b, -1, 2, nkv, hd)
+    n = kv.shape[1]
+    pos = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (b, n))
+    valid = pos < seq_start.astype(jnp.int32)[:, None]
+    return kv[:, :, 0], kv[:, :, 1], pos, valid
+
+
+def _attend(q, rel, k_new, v_new, q_pos, q_valid, ctx_k, ctx_v, ctx_pos, ctx_valid, window):
+    q_pos = q_pos.astype(jnp.int32)
+    k = jnp.concatenate([ctx_k.astype(k_new.dtype), k_new], axis=1)
+    v = jnp.concatenate([ctx_v.astype(v_new.dtype), v_new], axis=1)
+    k_pos = jnp.concatenate([ctx_pos, q_pos], axis=1)
+    k_valid = jnp.concatenate([ctx_valid, q_valid.astype(bool)], axis=1)
+    return ref.attention(q, k, v, rel, q_pos, k_pos, k_valid, window=window)
+
+
+def ring_attention(q: Float[Array, "B Q H D"], rel: Float[Array, "B Q H E"], k_new: Float[Array, "B Q Hkv D"],
+                   v_new: Float[Array, "B Q Hkv D"], q_pos: Int[Array, "B Q"], q_valid: Bool[Array, "B Q"],
+                   arena: Array, ring_unit_row: Int[Array, "B"], seq_start: Int[Array, "B"],
+                   has_state: Bool[Array, "B"], *, ring: int, window: int | None) -> Float[Array, "B Q H D"]:
+    """Sliding layers: the row's ring (read from the arena) plus the new keys. See the module docstring."""
+    nkv, hd = k_new.shape[2], k_new.shape[3]
+    ctx = ring_keys(arena, ring_unit_row, seq_start, has_state, ring=ring, nkv=nkv, hd=hd)
+    return _attend(q, rel, k_new, v_new, q_pos, q_valid, *ctx, window)
+
+
+def paged_attention(q: Float[Array, "B Q H D"], rel: Float[Array, "B Q H E"], k_new: Float[Array, "B Q Hkv D"],
+                    v_new: Float[Array, "B Q Hkv D"], q_pos: Int[Array, "B Q"], q_valid: Bool[Array, "B Q"],
+                    arena: Array, page_unit_row: Int[Array, "B P"], seq_start: Int[Array, "B"], *, page_size: int,
+                    window: int | None = None) -> Float[Array, "B Q H D"]:
+    """Full layers: the row's pages (read from the arena) plus the new keys. `page_size` must
+    be the tokens of one unit (unit_elems == page_size * 2 * nkv * hd); see the module docstring."""
+    nkv, hd = k_new.shape[2], k_new.shape[3]
+    if arena.shape[1] != page_size * 2 * nkv * hd:
+        raise ValueError(f"a unit of {arena.shape[1]} elements is not one page of {page_size} tokens "
+                         f"x 2 x {nkv} x {hd}")
+    ctx = page_keys(arena, page_unit_row, seq_start, nkv=nkv, hd=hd)
+    return _attend(q, rel, k_new, v_new, q_pos, q_valid, *ctx, window)
+
+
+__all__ = ["page_keys", "paged_attention", "ring_attention", "ring_keys"]

@@ -1,0 +1,294 @@
+"""Decode / verify attention against the serving arena (`pallas_kernels.attention.decode`):
+the jnp reference (`decode_ref`) against the model's `attention_core` over independently
+listed context keys, the kernels (interpret mode on CPU) against the reference, dead key
+blocks never read, and the CUDA lowering at the bench shapes through the MLIR verifier.
+
+Small shapes: hd 16, a ring of 40 or 72 rows with bk = 16 (the last block partial), pages of
+16 tokens, units of 16 token rows (so a 40-row ring spans 3 units with a padded tail)."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import has_cuda_device
+
+from inkling_jax.config import AttentionGeometry, InklingConfig
+from inkling_jax.model import layers
+from pallas_kernels.attention import decode, decode_ref
+
+INTERPRET = jax.default_backend() != "gpu"
+TOL = {jnp.float32: dict(rtol=1e-5, atol=1e-5), jnp.bfloat16: dict(rtol=2e-2, atol=2e-2)}
+HD, NKV, H, E = 16, 2, 8, 24
+UNIT_TOKENS = 16  # token rows per arena unit (pages: the page size)
+GARBAGE = 3.0  # scale of arena contents no valid key may read (finite: masked p * v must be 0)
+
+
+def rand(rng, shape, dtype=jnp.float32, scale=1.0):
+    return jnp.asarray(scale * rng.standard_normal(shape), jnp.float32).astype(dtype)
+
+
+def close(a, b, rtol, atol):
+    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=rtol, atol=atol)
+
+
+class Case:
+    """A random arena holding each row's context K/V at the layout's places, the step's new
+    tokens, and (for attention_core) each row's context listed directly: positions, K, V."""
+
+    def __init__(self, rng, *, kind, seq_start, q_valid, has_state=None, ring=40, pages=4, dtype=jnp.float32,
+                 nkv=NKV, h=H, hd=HD, e=E):
+        b, nq = np.asarray(q_valid).shape
+        self.kind, self.ring, self.b, self.nq = kind, ring, b, nq
+        wt = 2 * nkv * hd
+        unit = UNIT_TOKENS * wt
+        seq = np.asarray(seq_start, np.int64)
+        has_state = np.ones(b, bool) if has_state is None else np.asarray(has_state, bool)
+        hist = rng.standard_normal((b, int(seq.max()) + 1, 2, nkv, hd)).astype(np.float32)  # K/V of each position
+        if kind == "ring":
+            fu = -(-ring * wt // unit)  # units of one ring field
+            units = 2 + b * fu
+            arena = GARBAGE * rng.standard_normal((units, unit)).astype(np.float32)
+            first = 1 + fu * rng.permutation(b)  # rows' ring fields in shuffled order
+            tok = arena.reshape(-1, wt)
+            ctx = []
+            for i in range(b):
+                live = range(max(0, seq[i] - ring), seq[i]) if has_state[i] else range(0)
+                for p in live:
+                    tok[first[i] * UNIT_TOKENS + p % ring] = hist[i, p].reshape(-1)
+                ctx.append(list(live))
+            self.unit_row = jnp.asarray(first, jnp.int32)
+        else:
+            units = 2 + b * pages
+            arena = GARBAGE * rng.standard_normal((units, unit)).astype(np.float32)
+            table = 1 + rng.permutation(b * pages).reshape(b, pages)  # physical unit rows; sink: row 0
+            tok = arena.reshape(-1, wt)
+            ctx = []
+            for i in range(b):
+                used = -(-seq[i] // UNIT_TOKENS)
+                assert used <= pages
+                table[i, used:] = 0  # unused columns: the sink
+                for p in range(seq[i]):
+                    tok[table[i, p // UNIT_TOKENS] * UNIT_TOKENS + p % UNIT_TOKENS] = hist[i, p].reshape(-1)
+                ctx.append(list(range(seq[i])))
+            self.unit_row = jnp.asarray(table, jnp.int32)
+        self.arena_np = arena
+        self.arena = jnp.asarray(arena).astype(dtype)
+        self.seq_start = jnp.asarray(seq, jnp.int32)
+        self.has_state = jnp.asarray(has_state)
+        self.q_pos = jnp.asarray(seq[:, None] + np.arange(nq)[None, :], jnp.int32)
+        self.q_valid = jnp.asarray(q_valid, bool)
+        self.q = rand(rng, (b, nq, h, hd), dtype)
+        self.k_new = rand(rng, (b, nq, nkv, hd), dtype)
+        self.v_new = rand(rng, (b, nq, nkv, hd), dtype)
+        self.rel = rand(rng, (b, nq, h, e), dtype, scale=0.5)
+        # the context as an explicit key list (padded with invalid keys)
+        n = max(1, max(len(c) for c in ctx))
+        pos = np.zeros((b, n), np.int32)
+        valid = np.zeros((b, n), bool)
+        kv = np.zeros((b, n, 2, nkv, hd), np.float32)
+        for i, c in enumerate(ctx):
+            pos[i, :len(c)], valid[i, :len(c)], kv[i, :len(c)] = c, True, hist[i, c]
+        self.ctx = (jnp.asarray(kv[:, :, 0]).astype(dtype), jnp.asarray(kv[:, :, 1]).astype(dtype), jnp.asarray(pos),
+                    jnp.asarray(valid))
+
+    def args(self, q=None, rel=None, arena=None):
+        head = (self.q if q is None else q, self.rel if rel is None else rel, self.k_new, self.v_new, self.q_pos,
+                self.q_valid, self.arena if arena is None else arena, self.unit_row, self.seq_start)
+        return head + (self.has_state,) if self.kind == "ring" else head
+
+    def static(self, window):
+        if self.kind == "ring":
+            return dict(ring=self.ring, window=window)
+        return dict(page_size=UNIT_TOKENS, window=window)
+
+    def reference(self, window, **kw):
+        fn = decode_ref.ring_attention if self.kind == "ring" else decode_ref.paged_attention
+        return fn(*self.args(**kw), **self.static(window))
+
+    def kernel(self, window, **kw):
+        fn = decode.ring_attention if self.kind == "ring" else decode.paged_attention
+        tune = dict(bk=16) if self.kind == "ring" else {}
+        arena = kw.pop("arena", None)
+        return jax.jit(partial(fn, **self.static(window), **tune, **kw, interpret=INTERPRET))(*self.args(arena=arena))
+
+
+# rows: a ring that has wrapped (s > R), one without state, one shorter than the ring / a
+# partial last page, rows of different lengths; Q = 1 (decode) and 3 (verify, one draft invalid)
+RING_ROWS = dict(seq_start=[57, 9, 13], has_state=[True, False, True])
+PAGE_ROWS = dict(seq_start=[37, 0, 61])
+Q_VALID = {1: [[True], [True], [True]], 3: [[True, True, False], [True, False, False], [True, True, True]]}
+
+
+def core_case(kind, nq, seed):
+    rows = RING_ROWS if kind == "ring" else PAGE_ROWS
+    return Case(np.random.default_rng(seed), kind=kind, q_valid=Q_VALID[nq], **rows)
+
+
+@pytest.mark.parametrize("nq", [1, 3])
+@pytest.mark.parametrize("kind,window", [("ring", 20), ("ring", None), ("pages", None), ("pages", 24)])
+def test_reference_matches_attention_core(kind, window, nq):
+    """decode_ref (reading the context from the arena) equals attention_core called as
+    context.py calls it, over the rows' context keys listed position by position (fp32)."""
+    c = core_case(kind, nq, seed=nq * 10 + len(kind) + (window or 0))
+    cfg = InklingConfig.tiny(log_scaling_n_floor=8, log_scaling_alpha=0.3, d_rel=4)
+    geom = AttentionGeometry(kind == "ring", H, NKV, HD, rel_extent=E, window=window, log_scaling=kind == "pages")
+    rng = np.random.default_rng(99)
+    r = rand(rng, (c.b, nq, H, cfg.d_rel))
+    rel_proj = rand(rng, (cfg.d_rel, E), scale=0.5)
+    ctx_k, ctx_v, ctx_pos, ctx_valid = c.ctx
+    want = layers.attention_core(c.q, (ctx_k, c.k_new), (ctx_v, c.v_new), r, rel_proj, c.q_pos, (ctx_pos, c.q_pos),
+                                 (ctx_valid, c.q_valid), geom, cfg)
+    qs, rel = layers.attention_tables(c.q, r, rel_proj, c.q_pos, geom, cfg)
+    got = c.reference(window, q=qs, rel=rel)
+    close(got, want, rtol=1e-5, atol=1e-5)
+    # the context matters: without it (new keys only) rows with context differ
+    no_ctx = layers.attention_core(c.q, c.k_new, c.v_new, r, rel_proj, c.q_pos, c.q_pos, c.q_valid, geom, cfg)
+    diff = np.abs(np.asarray(no_ctx) - np.asarray(want)).max(axis=(1, 2, 3))
+    has_ctx = np.asarray(ctx_valid).any(-1)
+    assert has_ctx.sum() == 2 and (diff[has_ctx] > 1e-2).all() and (diff[~has_ctx] < 1e-6).all()
+
+
+KERNEL_CASES = {
+    # name: (kind, dtype, Q, window, num_splits values)
+    "ring_f32_verify_window": ("ring", jnp.float32, 3, 20, (1, 3, 9)),  # 9 > the 3 ring blocks
+    "ring_f32_decode_full": ("ring", jnp.float32, 1, None, (None, 2)),
+    "ring_bf16_verify": ("ring", jnp.bfloat16, 3, 20, (1, 2)),
+    "pages_f32_verify": ("pages", jnp.float32, 3, None, (1, 3, 16)),  # 16 > the 4 pages
+    "pages_f32_decode_window": ("pages", jnp.float32, 1, 24, (None, 2)),
+    "pages_bf16_verify": ("pages", jnp.bfloat16, 3, None, (1, 4)),
+}
+
+
+@pytest.mark.parametrize("name", list(KERNEL_CASES))
+def test_kernel_matches_reference(name):
+    kind, dtype, nq, window, splits = KERNEL_CASES[name]
+    rows = RING_ROWS if kind == "ring" else PAGE_ROWS
+    c = Case(np.random.default_rng(sum(map(ord, name))), kind=kind, q_valid=Q_VALID[nq], dtype=dtype, **rows)
+    want = c.reference(window)
+    assert (np.abs(np.asarray(want, np.float32)).sum(axis=(2, 3)) > 0.1).all()  # every query has keys
+    for s in splits:
+        out = c.kernel(window, num_splits=s)
+        assert out.shape == c.q.shape and out.dtype == dtype
+        close(out, want, **TOL[dtype])
+
+
+@pytest.mark.parametrize("kind", ["ring", "pages"])
+def test_dead_blocks_are_not_read(kind):
+    """Key blocks without a live context position (ring rows never written, older than the
+    window, or a row without state; the ring field's padding; pages before the window, the
+    sink page) hold NaN: the
+    kernel's output stays finite and equals the reference on the arena with them zeroed.
+    Ring of 72 rows (5 blocks of 16, the last partial) with a wrapped live range."""
+    rng = np.random.default_rng(5 if kind == "ring" else 6)
+    window = 20
+    if kind == "ring":
+        ring, bk = 72, 16
+        c = Case(rng, kind="ring", seq_start=[100, 30, 80, 50], has_state=[True, True, True, False], ring=ring,
+                 q_valid=[[True, True, False]] * 4)
+        tok = c.arena_np.reshape(-1, 2 * NKV * HD).copy()
+        poisoned = 0
+        for i in range(c.b):
+            s = int(c.seq_start[i])
+            lo, hi = max(0, s - ring, s - window + 1), s - 1
+            live_blocks = {(p % ring) // bk for p in range(lo, hi + 1)} if c.has_state[i] else set()
+            for blk in set(range(-(-ring // bk))) - live_blocks:
+                start = int(c.unit_row[i]) * UNIT_TOKENS + blk * bk
+                tok[start:start + min(bk, ring - blk * bk)] = np.nan
+                poisoned += 1
+            end = int(c.unit_row[i]) * UNIT_TOKENS + ring  # the field's padding after row R-1: the
+            tok[end:-(-end // UNIT_TOKENS) * UNIT_TOKENS] = np.nan  # tail block must not read past the ring
+        assert poisoned >= 8 and ring % UNIT_TOKENS  # (so the field has padding)
+    else:
+        c = Case(rng, kind="pages", seq_start=[85, 0, 30], pages=6, q_valid=[[True, True, True]] * 3)
+        tok = c.arena_np.reshape(-1, 2 * NKV * HD).copy()
+        table = np.asarray(c.unit_row)
+        for i in range(c.b):
+            s = int(c.seq_start[i])
+            for p in range(table.shape[1]):
+                if s == 0 or not max(0, s - window + 1) // UNIT_TOKENS <= p <= (s - 1) // UNIT_TOKENS:
+                    tok[table[i, p] * UNIT_TOKENS:(table[i, p] + 1) * UNIT_TOKENS] = np.nan
+        assert np.isnan(tok[:UNIT_TOKENS]).all()  # the sink
+    poisoned_arena = jnp.asarray(tok.reshape(c.arena_np.shape))
+    want = c.reference(window, arena=jnp.nan_to_num(poisoned_arena, nan=0.0))
+    for s in (1, 3):
+        out = c.kernel(window, num_splits=s, arena=poisoned_arena)
+        assert np.isfinite(np.asarray(out)).all()
+        close(out, want, rtol=1e-5, atol=1e-5)
+    assert float(jnp.abs(want).max()) > 0.1
+
+
+def test_fallbacks_are_the_reference():
+    """Shapes the kernel cannot take (head dim not a power of two; a page size below 16) give
+    the reference's result."""
+    rng = np.random.default_rng(3)
+    c = Case(rng, kind="ring", q_valid=Q_VALID[3], hd=12, **RING_ROWS)
+    close(c.kernel(20), c.reference(20), rtol=1e-6, atol=1e-6)
+    c = Case(rng, kind="pages", q_valid=Q_VALID[1], **PAGE_ROWS)
+    small = c.arena.reshape(-1, UNIT_TOKENS // 2 * 2 * NKV * HD)  # 8-token units: pages of 8
+    rows = jnp.stack([c.unit_row * 2, c.unit_row * 2 + 1], axis=-1).reshape(c.b, -1)  # page p -> 2p, 2p+1
+    args = (c.q, c.rel, c.k_new, c.v_new, c.q_pos, c.q_valid, small, rows, c.seq_start)
+    out = decode.paged_attention(*args, page_size=8, interpret=INTERPRET)
+    close(out, decode_ref.paged_attention(*args, page_size=8), rtol=0, atol=0)
+    close(out, c.reference(None), rtol=1e-5, atol=1e-5)  # the same keys in pages of 16
+
+
+def test_default_splits():
+    """B * nkv * S reaches ~512 programs, never more splits than live blocks (pages: >= 2 a split)."""
+    assert decode.default_splits(1, 2, 130, 2) == 65
+    assert decode.default_splits(32, 2, 130, 2) == 8
+    assert decode.default_splits(32, 4, 9) == 4
+    assert decode.default_splits(1, 4, 9) == 9
+    assert decode.default_splits(512, 4, 9) == 1
+
+
+@pytest.mark.skipif(has_cuda_device(), reason="abstract CUDA lowering is for machines without a GPU")
+def test_kernels_lower_for_gpu(verify_triton_modules):
+    """Both kernels pass the Triton lowering for CUDA at the bench model's decode / verify
+    shapes (bf16, hd 128, 16 heads; sliding: 4 kv heads, ring 515, window 512; full: 2 kv
+    heads, pages of 64, 130 page columns) at batch 1 and 32, one split and several, with an
+    arena past 4 GiB (64-bit offsets), and the modules pass the MLIR verifier."""
+    sds, bf, i32, bl = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.int32, jnp.bool_
+    hd, h, e, units = 128, 16, 1024, 70000
+    for b, nq in ((1, 1), (32, 3)):
+        head = lambda nkv: (sds((b, nq, h, hd), bf), sds((b, nq, h, e), bf), sds((b, nq, nkv, hd), bf),
+                            sds((b, nq, nkv, hd), bf), sds((b, nq), i32), sds((b, nq), bl),
+                            sds((units, 64 * 2 * 2 * hd), bf))
+        ring_args = head(4) + (sds((b,), i32), sds((b,), i32), sds((b,), bl))
+        page_args = head(2) + (sds((b, 130), i32), sds((b,), i32))
+        try:
+            texts = [jax.jit(lambda *a: decode.ring_attention(*a, ring=515, window=512)).trace(*ring_args).lower(
+                         lowering_platforms=("cuda",)).as_text(),
+                     jax.jit(lambda *a: decode.paged_attention(*a, page_size=64)).trace(*page_args).lower(
+                         lowering_platforms=("cuda",)).as_text()]
+        except (ImportError, NotImplementedError) as exc:
+            pytest.skip(f"no Triton lowering here: {exc}")
+        assert all("xla.gpu.triton" in t for t in texts)
+    assert len(verify_triton_modules) == 4
+
+
+@pytest.mark.parametrize("kind", ["ring", "pages"])
+def test_gradient_is_the_references(kind):
+    """The kernels' backward is the reference's VJP (`_common.with_ref_vjp`): d/d(q, arena) of a
+    weighted sum of the output equals the reference's (fp32), and reaches the arena's context."""
+    rows = RING_ROWS if kind == "ring" else PAGE_ROWS
+    c = Case(np.random.default_rng(7), kind=kind, q_valid=Q_VALID[1], **rows)
+    args = list(c.args())
+    weights = rand(np.random.default_rng(8), c.q.shape)
+
+    def loss(fn, q, arena):
+        a = list(args)
+        a[0], a[6] = q, arena
+        return jnp.sum(fn(*a) * weights)
+
+    kernel = partial(decode.ring_attention if kind == "ring" else decode.paged_attention, **c.static(None),
+                     interpret=INTERPRET)
+    ref = partial(decode_ref.ring_attention if kind == "ring" else decode_ref.paged_attention, **c.static(None))
+    got = jax.grad(partial(loss, kernel), argnums=(0, 1))(args[0], args[6])
+    want = jax.grad(partial(loss, ref), argnums=(0, 1))(args[0], args[6])
+    for g, w in zip(got, want):
+        close(g, w, rtol=1e-5, atol=1e-5)
+    assert np.abs(np.asarray(got[1])).max() > 1e-3  # the context rows of the arena get a gradient
