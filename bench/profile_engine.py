@@ -40,6 +40,7 @@ def main(argv=None) -> None:
     p.add_argument("--prompt-len", type=int, default=1000)
     p.add_argument("--gap-us", type=float, default=100.0)
     p.add_argument("--top", type=int, default=30, help="kernels listed (by device time)")
+    p.add_argument("--hlo-out", default="", help="write the optimized HLO of the engine's steps to this file")
     p.add_argument("--smoke", action="store_true")
     args = p.parse_args(argv)
     if args.smoke:
@@ -94,6 +95,12 @@ def main(argv=None) -> None:
     print(f"device spans between gaps: median {statistics.median(spans):.3f} ms, "
           f"{len(spans)} spans; per token step inside spans {sum(spans) / max(tokens, 1):.3f} ms")
     print_breakdown(events, max(tokens, 1), args.top)
+    if args.hlo_out:
+        from inkling_jax.engine import runner
+
+        with open(args.hlo_out, "w") as f:
+            for fn in runner._COMPILED.values():
+                f.write(fn.as_text() + "\n")
 
 
 def print_breakdown(events, tokens: int, top: int) -> None:
