@@ -92,6 +92,21 @@ def test_one_device_mesh_equals_no_mesh():
     engine.check_invariants()
 
 
+def _overlap_matches(mesh):
+    """Overlapped 4-step decode dispatches on `mesh` (the feed of each dispatch from the last
+    one's replicated outputs) give the single-device engine's greedy tokens."""
+    engine = _engine(mesh, decode_steps=4, overlap=True)
+    got = engine.generate(PROMPTS, GREEDY)
+    # the decode loop and single steps round log-probs alike up to fusion order
+    _assert_same_completions(got, _single(0)[0], atol=1e-5)
+    assert engine.stats()["overlapped_dispatches"] > 0
+    engine.check_invariants()
+
+
+def test_one_device_mesh_overlapped_decode():
+    _overlap_matches(ik.make_mesh())
+
+
 def test_single_device_step_traces_no_collective():
     """Without a mesh the steps trace none of the mesh hooks (parallel=None is the
     single-device program: no psum, all_gather or axis index in the lowered step)."""
@@ -234,6 +249,11 @@ def test_on_mesh_pallas_kernels_and_repeated_kv_heads():
     for key in want_slot:
         assert got_slot[key].shape == want_slot[key].shape, key
         np.testing.assert_allclose(got_slot[key], want_slot[key], rtol=0, atol=1e-5, err_msg=key)
+
+
+@on_mesh
+def test_on_mesh_overlapped_decode():
+    _overlap_matches(ik.make_mesh(tp=2, ep=4))
 
 
 @on_mesh
