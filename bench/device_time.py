@@ -73,17 +73,27 @@ PARTS = ("prepare", "embed", "norm", "attention", "conv_kv", "attention_tables",
 
 def hlo_op_parts(hlo_text: str) -> dict[str, str]:
     """instruction name -> its part (the known scopes of its op_name, outermost first, joined
-    by '/'), for every instruction of an optimized HLO text that has metadata."""
-    out = {}
-    for m in re.finditer(r'^\s*(?:ROOT\s+)?%?([\w.\-]+) = [^\n]*?op_name="([^"]*)"', hlo_text, re.M):
-        scopes = [s for s in m.group(2).split("/") if s in PARTS]
-        out[m.group(1)] = "/".join(dict.fromkeys(scopes)) or "(other)"
+    by '/'), for every instruction of an optimized HLO text that has metadata; and for the
+    Pallas (Triton) kernels, "kernel:<name>" -> the parts of every custom call of that kernel
+    name, joined by '|' (one kernel may serve several parts, e.g. the three convs)."""
+    out, kernels = {}, {}
+    for m in re.finditer(r'^\s*(?:ROOT\s+)?%?([\w.\-]+) = ([^\n]*?)op_name="([^"]*)"([^\n]*)', hlo_text, re.M):
+        scopes = [s for s in m.group(3).split("/") if s in PARTS]
+        part = "/".join(dict.fromkeys(scopes)) or "(other)"
+        out[m.group(1)] = part
+        kernel = re.search(r'custom-call\(.*\bname = \\?"([\w]+)', m.group(2) + m.group(4))
+        if kernel:
+            kernels.setdefault(kernel.group(1), {})[part] = None
+    out.update({f"kernel:{k}": "|".join(v) for k, v in kernels.items()})
     return out
 
 
 def event_part(ev: DeviceEvent, parts: dict[str, str]) -> str:
-    """The part of the model a kernel ran for (see hlo_op_parts); '(unknown)' without one."""
-    for name in (ev.op, re.sub(r"_(\d+)$", r".\1", ev.kernel), ev.kernel):
+    """The part of the model a kernel ran for (see hlo_op_parts); '(unknown)' without one.
+    Kernels inside a command buffer carry the buffer's op, not their own: fusions are found
+    by their kernel name, Pallas kernels by the name their custom calls give them."""
+    for name in (ev.op, re.sub(r"_(\d+)$", r".\1", ev.kernel), ev.kernel,
+                 "kernel:" + re.sub(r"__\d+$", "", ev.kernel)):
         if name and name in parts:
             return parts[name]
     return "(unknown)"
