@@ -265,8 +265,8 @@ def test_on_mesh_sampling_is_the_same_on_every_device():
     engine = _engine(ik.make_mesh(tp=2, ep=4), spec_steps=2)
     run, seen = engine.runner.run, []
 
-    def run_and_compare_shards(shape, batch):
-        out = run(shape, batch)
+    def run_and_compare_shards(shape, batch, feed=None):
+        out = run(shape, batch, feed)
         for leaf in jax.tree_util.tree_leaves(out):
             copies = [np.asarray(s.data) for s in leaf.addressable_shards]
             assert len(copies) == 8 and all(np.array_equal(c, copies[0]) for c in copies)
