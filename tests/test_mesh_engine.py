@@ -305,9 +305,10 @@ def test_on_mesh_no_compile_after_warmup():
     """After warmup() nothing compiles (XLA backend compiles counted, not only the engine's
     step counter) over runs of varying batch sizes and lengths with prefix hits, lazy
     ping-pong, explicit compaction and a reset; the outputs equal the reference forward's
-    greedy (plain decode steps on the mesh, three per dispatch)."""
+    greedy (plain decode steps on the mesh, three per dispatch, overlapped: the feed of each
+    dispatch from the last one's replicated outputs is warmed up too)."""
     with count_xla_compiles() as warmup_compiles:
-        engine = _engine(ik.make_mesh(tp=2, ep=4), ping_pong="lazy", warmup=True, decode_steps=3)
+        engine = _engine(ik.make_mesh(tp=2, ep=4), ping_pong="lazy", warmup=True, decode_steps=3, overlap=True)
     assert warmup_compiles[0] > 0  # the counter sees compiles (the state, the moves, maybe the steps)
     steps_compiled = engine.stats()["compiles"]
     rng = np.random.RandomState(5)
@@ -320,10 +321,13 @@ def test_on_mesh_no_compile_after_warmup():
             engine.compact()
             if n == 1:  # a rebuilt (zero) state on the mesh compiles nothing either
                 engine.reset()
+        prompts = [list(rng.randint(3, 256, 5))]  # one long generation alone: dispatches overlap
+        runs.append((prompts, engine.generate(prompts, ik.SamplingParams(max_new_tokens=16, stop_at_eos=False))))
     assert compiles[0] == 0, f"{compiles[0]} XLA compiles after warm-up"
     stats = engine.stats()
     assert stats["compiles"] == steps_compiled
     assert stats["compaction_moves"] > 0 and stats["cache_hit_tokens"] > 0 and stats["decode_steps"] > 0
+    assert stats["overlapped_dispatches"] > 0
     engine.check_invariants()
     _check_placement(engine, 2, 4, 0, _single(0)[1])
     for prompts, completions in runs:

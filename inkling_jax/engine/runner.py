@@ -252,11 +252,13 @@ class StepRunner:
             self.compiled_step(shape)
         if overlap:
             ns, k = self.config.max_stop_ids, self.decode_steps
+            i32 = lambda *n: np.zeros(n, np.int32)
+            # the previous outputs as a step returns them: placed like the state's id tables
+            # (one device, or replicated over the mesh); a jit compiles per input placement
+            out = lambda *n: jax.device_put(i32(*n), self.state.slot_v2p.sharding)
             for b in self.batch_buckets:
                 for bp in self.batch_buckets:
-                    i32 = lambda *n: np.zeros(n, np.int32)
-                    feed_decode(i32(b), i32(b), i32(b), i32(b, ns), jnp.zeros((bp, k), jnp.int32),
-                                jnp.zeros(bp, jnp.int32), i32(b), i32(b))
+                    feed_decode(i32(b), i32(b), i32(b), i32(b, ns), out(bp, k), out(bp), i32(b), i32(b))
         n = 1
         while True:
             self._move_fn(n)

@@ -152,8 +152,9 @@ class Scheduler:
     def abandon(self, plan: StepPlan) -> None:
         """The planned step will not be committed: give back the slots it took (requests that
         finished meanwhile gave back everything already)."""
+        live = {id(r) for r in self.running}
         for r in plan.requests:
-            if r in self.running:
+            if id(r) in live:
                 self.checkpoints.abandon(r)
 
     def stop_ids(self, r: Request) -> list[int]:
