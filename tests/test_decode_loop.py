@@ -103,10 +103,12 @@ def test_stop_token_inside_a_dispatch():
         np.testing.assert_allclose(slot[key], want_slot[key], rtol=0, atol=ATOL, err_msg=key)
 
 
-def test_no_compile_after_warmup():
-    """warmup() compiles the K-step decode program of every bucket: serving compiles nothing
-    (XLA's own compile events), and the tokens are the reference forward's greedy ones."""
-    engine = make_engine(PARAMS, decode_steps=4, max_context=64, warmup=True)
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_no_compile_after_warmup(overlap):
+    """warmup() compiles the K-step decode program of every bucket (with overlap, the decode
+    feed of every pair of batch buckets, for the outputs a step returns): serving compiles
+    nothing (XLA's own compile events), and the tokens are the reference forward's greedy ones."""
+    engine = make_engine(PARAMS, decode_steps=4, max_context=64, warmup=True, overlap=overlap, min_batch_bucket=1)
     rng = np.random.RandomState(2)
     runs = []
     with count_xla_compiles() as compiles:
@@ -115,6 +117,7 @@ def test_no_compile_after_warmup():
             sampling = ik.SamplingParams(max_new_tokens=int(rng.randint(2, 12)), stop_at_eos=False)
             runs += zip(prompts, engine.generate(prompts, sampling))
     assert compiles[0] == 0
+    assert (engine.stats()["overlapped_dispatches"] > 0) == overlap
     for p, c in runs:
         assert c.tokens == reference_logprobs(PARAMS, TRUNK, p, c.tokens)[1].tolist()
     engine.check_invariants()

@@ -253,12 +253,10 @@ class StepRunner:
         if overlap:
             ns, k = self.config.max_stop_ids, self.decode_steps
             i32 = lambda *n: np.zeros(n, np.int32)
-            # the previous outputs as a step returns them: placed like the state's id tables
-            # (one device, or replicated over the mesh); a jit compiles per input placement
-            out = lambda *n: jax.device_put(i32(*n), self.state.slot_v2p.sharding)
             for b in self.batch_buckets:
                 for bp in self.batch_buckets:
-                    feed_decode(i32(b), i32(b), i32(b), i32(b, ns), out(bp, k), out(bp), i32(b), i32(b))
+                    feed_decode(i32(b), i32(b), i32(b), i32(b, ns), self._feed_input(i32(bp, k)),
+                                self._feed_input(i32(bp)), i32(b), i32(b))
         n = 1
         while True:
             self._move_fn(n)
@@ -267,6 +265,15 @@ class StepRunner:
             n *= 2
 
     # ---------------------------------------------------------------- running
+
+    def _feed_input(self, x) -> jax.Array:
+        """A previous step's output as the decode feed takes it: committed to the placement of
+        the state's id tables (one device, or replicated over the mesh). A jit compiles per input
+        placement *and* commitment, and a step's outputs are committed or not as its inputs were
+        (params placed by the caller or not): without this the feed warmed up on committed arrays
+        compiled again for uncommitted outputs. Placing an array where it already is copies
+        nothing."""
+        return jax.device_put(x, self.state.slot_v2p.sharding)
 
     def run(self, shape: StepShape, batch: StepBatch, feed: "DecodeFeed | None" = None) -> StepOutput:
         """Run one compiled step (the state is donated and replaced); device outputs.
@@ -280,7 +287,8 @@ class StepRunner:
             if shape.mode != "decode" or shape.steps < 2:
                 raise ValueError("only multi-step decode dispatches are fed from the previous one")
             tokens, num_new, num_steps = feed_decode(batch.tokens, batch.num_new, batch.num_steps, batch.stop_ids,
-                                                     feed.prev.tokens, feed.prev.num_accepted,
+                                                     self._feed_input(feed.prev.tokens),
+                                                     self._feed_input(feed.prev.num_accepted),
                                                      pad_to(feed.rows, shape.batch, -1),
                                                      pad_to(feed.steps, shape.batch, 0))
             batch = dataclasses.replace(batch, tokens=tokens, num_new=num_new, num_steps=num_steps)
