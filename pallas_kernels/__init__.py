@@ -22,6 +22,8 @@ has the reference's signature (`interpret` is bound):
     moe_experts(x, idx, weight, w13, w2) -> y, or None for the references (the model's MoE
         then picks its own jnp implementation)
     moe_experts_many(x, idx, weight, w13, w2) -> y, the same for many tokens, or None
+    grouped_matvec(x, idx, w) -> y [m, F] fp32, y[i] = x[i] @ w[idx[i]]: the shared experts of
+        a few tokens (layers.shared_experts' matvec), or None
     attention(q, k, v, rel, q_pos, k_pos, k_valid, *, window) -> out, or None (the model's
         attention_core materialises the scores then)
     ring_attention(q, rel, k_new, v_new, q_pos, q_valid, arena, ring_unit_row, seq_start,
@@ -55,6 +57,7 @@ class ConvOps:
     clear_units: Callable
     moe_experts: Callable | None  # few-token routed experts (layers.moe_mlp's few_token_experts)
     moe_experts_many: Callable | None  # many-token routed experts (layers.moe_mlp's many_token_experts)
+    grouped_matvec: Callable | None  # y[i] = x[i] @ w[idx[i]] (layers.shared_experts' matvec, few tokens)
     attention: Callable | None  # fused attention of many queries (steps.context.StepContext.attend)
     ring_attention: Callable | None  # few queries against sliding rings read in place (decode / verify)
     paged_attention: Callable | None  # few queries against full-attention pages read in place
@@ -63,7 +66,7 @@ class ConvOps:
 
 
 REFERENCE_OPS = ConvOps(conv_state.ref.conv_update, conv_state.ref.conv_write, slot_ops.ref.copy_units,
-                        slot_ops.ref.clear_units, None, None, None, None, None, pallas=False,
+                        slot_ops.ref.clear_units, None, None, None, None, None, None, pallas=False,
                         interpret=False)
 
 
@@ -98,6 +101,7 @@ def _pallas_ops(interpret: bool) -> ConvOps:
                    jitted(slot_ops.pallas.copy_units, *units), jitted(slot_ops.pallas.clear_units, *units),
                    jitted(moe.pallas.moe_experts, "tf", "bh", "splits", "num_warps", "target_programs"),
                    jitted(moe.grouped.moe_experts_grouped, "bm", "bn", "bk", "num_warps", "num_stages"),
+                   jitted(moe.pallas.grouped_matvec, "tf", "bh", "splits", "num_warps", "target_programs"),
                    jitted(attention.pallas.attention, "window", "bq", "bk", "num_warps", "num_stages"),
                    jitted(attention.decode.ring_attention, "ring", "window", "num_splits", "bk", "num_warps",
                           "num_stages"),

@@ -288,3 +288,36 @@ def test_grouped_lowers_for_gpu(verify_triton_modules):
     except (ImportError, NotImplementedError) as exc:
         pytest.skip(f"no Triton lowering here: {exc}")
     assert text.count("xla.gpu.triton") >= 2 and len(verify_triton_modules) >= 2
+
+
+@pytest.mark.parametrize("n", [1, 2])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_shared_experts_through_the_matvec_kernel(n, dtype):
+    """layers.shared_experts with the grouped mat-vec kernel (token t through shared expert s as
+    row t * S + s, gamma applied before the down projection, each expert's output rounded before
+    the fp32 sum) equals the batched-einsum path; moe_mlp hands it the kernel exactly when the
+    routed experts take the few-token kernel."""
+    cfg = ik.InklingConfig.tiny(n_routed_experts=16)  # few-token experts (3 n k <= E) up to n = 2
+    assert cfg.shared_expert_sink and cfg.norm_after_topk
+    p = ik.init_params(cfg, jax.random.key(1))["layers"][cfg.dense_layer_ids[-1] + 1]["mlp"]
+    p = jax.tree.map(lambda a: a.astype(dtype) if a.dtype == jnp.bfloat16 else a, p)
+    rng = np.random.default_rng(40 + n)
+    x = rand(rng, (n, cfg.hidden_size), dtype)
+    gamma = jnp.asarray(rng.uniform(0.1, 1.0, (n, cfg.n_shared_experts)), jnp.float32)
+    matvec = lambda *a: moe.grouped_matvec(*a, **SMALL, interpret=INTERPRET)
+    got = layers.shared_experts(p, cfg, x, gamma, matvec=matvec)
+    want = layers.shared_experts(p, cfg, x, gamma)
+    assert got.shape == (n, cfg.hidden_size) and got.dtype == jnp.float32
+    scale = float(np.abs(np.asarray(want)).max())
+    tol = dict(rtol=1e-5, atol=1e-5 * scale) if dtype == jnp.float32 else dict(rtol=1e-2, atol=1e-2 * scale)
+    close(got, want, **tol)
+
+    calls = []
+    spy = lambda *a: calls.append(a[1].shape[0]) or matvec(*a)
+    few = lambda *a: moe.moe_experts(*a, **SMALL, interpret=INTERPRET)
+    got_mlp = layers.moe_mlp(p, cfg, x, few_token_experts=few, few_token_matvec=spy)
+    assert calls == [n * cfg.n_shared_experts] * 2  # w13 and w2
+    close(got_mlp, layers.moe_mlp(p, cfg, x, few_token_experts=few), **tol)
+    calls.clear()
+    layers.moe_mlp(p, cfg, jnp.ones((8, cfg.hidden_size), dtype), few_token_experts=few, few_token_matvec=spy)
+    assert calls == []  # 8 tokens: the dense routed experts, the einsum shared experts

@@ -13,6 +13,7 @@ so one copy of the layer math serves the reference path (`forward.py`) and the c
 Optional context attributes, read with `getattr(ctx, name, None)` (absent = single device):
 
     ctx.few_token_experts   a moe_experts_slices-like function for few-token MoE (a kernel)
+    ctx.few_token_matvec    y[i] = x[i] @ w[idx[i]] (fp32), the shared experts of few tokens (a kernel)
     ctx.parallel            a `inkling_jax.parallel.ParallelAxes`: the layer runs as one shard
                             of a mesh-sharded model, inside `shard_map`, on the plan's *local*
                             params (see `inkling_jax/parallel/plan.py`)
@@ -332,14 +333,20 @@ def route(p: Params, cfg: InklingConfig, x: Float[Array, "n h"]) -> tuple[Array,
 
 def moe_experts_dense(x: Float[Array, "n h"], idx: Array, weight: Array, w13: Array, w2: Array) -> Array:
     """Routed experts by evaluating every expert and weighting (exact; cost ~ all experts)."""
-    n_exp = w13.shape[0]
     gu = jnp.einsum("nh,ehf->enf", x, w13.astype(x.dtype), preferred_element_type=jnp.float32)
     half = gu.shape[-1] // 2
     act = (jax.nn.silu(gu[..., :half]) * gu[..., half:]).astype(x.dtype)
     y = jnp.einsum("enf,efh->enh", act, w2.astype(x.dtype), preferred_element_type=jnp.float32)
-    combine = jnp.zeros((x.shape[0], n_exp), jnp.float32)
-    combine = combine.at[jnp.arange(x.shape[0])[:, None], idx].add(weight.astype(jnp.float32))
-    return jnp.einsum("ne,enh->nh", combine, y.astype(x.dtype).astype(jnp.float32)).astype(x.dtype)
+    # each token's k chosen outputs gathered from y and summed in choice order (as
+    # moe_experts_slices does): elementwise work XLA fuses into one kernel, where a combine
+    # matrix (a scatter) and a dot over e cost a scatter, a transpose of y and a reduction on the
+    # GPU, and rounded differently per batch size on the CPU
+    y = y.astype(x.dtype).astype(jnp.float32)
+    rows = jnp.arange(x.shape[0])
+    out = jnp.zeros((x.shape[0], y.shape[-1]), jnp.float32)
+    for j in range(idx.shape[1]):
+        out = out + weight[:, j, None].astype(jnp.float32) * y[idx[:, j], rows]
+    return out.astype(x.dtype)
 
 
 def moe_experts_gather(x: Float[Array, "n h"], idx: Array, weight: Array, w13: Array, w2: Array) -> Array:
@@ -385,21 +392,39 @@ GROUPED_MIN_CHOICES_PER_EXPERT = 64
 
 @jax.named_scope("shared_experts")
 def shared_experts(p: Params, cfg: InklingConfig, flat: Float[Array, "n h"], gamma: Float[Array, "n s"],
-                   parallel: "ParallelAxes | None" = None) -> Float[Array, "n h"]:
+                   parallel: "ParallelAxes | None" = None, matvec: Any = None) -> Float[Array, "n h"]:
     """The shared experts' summed output (fp32), each weighted by its sink gamma (the router's
-    renormalised weight) when the config says so."""
+    renormalised weight) when the config says so.
+
+    matvec: a `pallas_kernels.moe.pallas.grouped_matvec`-like function (y[i] = x[i] @ w[idx[i]],
+    fp32) for a few tokens: row t * S + s is token t through expert s, reading each expert's
+    [h, 2f] / [f, h] matrix in place (the batched einsum below made XLA's GPU layout copy the
+    whole shared_w13 to [h, S, 2f] in every decode step). Same math and roundings either way."""
     n = flat.shape[0]
-    xs, gs = flat, gamma
-    if n == 1 and _pad_lone_row():  # keep the batched products GEMMs (see PAD_LONE_ROW)
-        xs, gs = jnp.pad(flat, ((0, 1), (0, 0))), jnp.pad(gamma, ((0, 1), (0, 0)))
-    gu = jnp.einsum("nh,shf->snf", xs, p["shared_w13"].astype(flat.dtype), preferred_element_type=jnp.float32)
-    half = gu.shape[-1] // 2
-    act = jax.nn.silu(gu[..., :half]) * gu[..., half:]
-    if cfg.shared_expert_sink and cfg.norm_after_topk:
-        act = act * gs.T[:, :, None]
-    act = act.astype(flat.dtype)
-    shared = jnp.einsum("snf,sfh->snh", act, p["shared_w2"].astype(flat.dtype), preferred_element_type=jnp.float32)
-    shared = shared[:, :n].astype(flat.dtype).astype(jnp.float32).sum(axis=0)
+    gated = cfg.shared_expert_sink and cfg.norm_after_topk
+    if matvec is not None:
+        s = p["shared_w13"].shape[0]
+        idx = jnp.tile(jnp.arange(s, dtype=jnp.int32), n)  # [n * S]: token-major
+        gu = matvec(jnp.repeat(flat, s, axis=0), idx, p["shared_w13"])  # [n * S, 2f] fp32
+        half = gu.shape[-1] // 2
+        act = jax.nn.silu(gu[:, :half]) * gu[:, half:]
+        if gated:
+            act = act * gamma.reshape(n * s, 1)
+        y = matvec(act.astype(flat.dtype), idx, p["shared_w2"])  # [n * S, h] fp32
+        shared = y.astype(flat.dtype).astype(jnp.float32).reshape(n, s, -1).sum(axis=1)
+    else:
+        xs, gs = flat, gamma
+        if n == 1 and _pad_lone_row():  # keep the batched products GEMMs (see PAD_LONE_ROW)
+            xs, gs = jnp.pad(flat, ((0, 1), (0, 0))), jnp.pad(gamma, ((0, 1), (0, 0)))
+        gu = jnp.einsum("nh,shf->snf", xs, p["shared_w13"].astype(flat.dtype), preferred_element_type=jnp.float32)
+        half = gu.shape[-1] // 2
+        act = jax.nn.silu(gu[..., :half]) * gu[..., half:]
+        if gated:
+            act = act * gs.T[:, :, None]
+        act = act.astype(flat.dtype)
+        shared = jnp.einsum("snf,sfh->snh", act, p["shared_w2"].astype(flat.dtype),
+                            preferred_element_type=jnp.float32)
+        shared = shared[:, :n].astype(flat.dtype).astype(jnp.float32).sum(axis=0)
     if parallel is not None and parallel.ep > 1:  # every ep shard holds the shared experts: count them once
         shared = jnp.where(jax.lax.axis_index(parallel.ep_axis) == 0, shared, 0.0)
     return shared
@@ -408,7 +433,7 @@ def shared_experts(p: Params, cfg: InklingConfig, flat: Float[Array, "n h"], gam
 @jax.named_scope("moe")
 def moe_mlp(p: Params, cfg: InklingConfig, x: Array, experts_impl: str = "auto",
             few_token_experts: Any = None, parallel: "ParallelAxes | None" = None,
-            many_token_experts: Any = None) -> Array:
+            many_token_experts: Any = None, few_token_matvec: Any = None) -> Array:
     """MoE: routed top-k experts plus shared experts (sink-weighted or plain).
 
     experts_impl: a MOE_IMPLS name, or "auto": a few tokens read only their experts (one slice
@@ -417,6 +442,8 @@ def moe_mlp(p: Params, cfg: InklingConfig, x: Array, experts_impl: str = "auto",
     ("dense"); from n * k >= GROUPED_MIN_CHOICES_PER_EXPERT * E choices, `many_token_experts`
     when given (same signature: the Pallas sorted-block grouped GEMMs, which compute only the
     chosen experts; below that their padding of each expert's rows costs more than dense).
+    `few_token_matvec` (the grouped mat-vec kernel) computes the shared experts where
+    `few_token_experts` computes the routed.
 
     With `parallel`, cfg is the local config (E / ep experts of width F / tp here) and the
     router runs on `parallel.global_cfg` (see the module docstring)."""
@@ -438,7 +465,8 @@ def moe_mlp(p: Params, cfg: InklingConfig, x: Array, experts_impl: str = "auto",
     with jax.named_scope("routed_experts"):
         out = fn(flat, idx, w, p["w13"], p["w2"]).astype(jnp.float32)
     if cfg.n_shared_experts > 0:
-        out = out + shared_experts(p, cfg, flat, gamma, parallel)
+        matvec = few_token_matvec if few_token_experts is not None and fn is few_token_experts else None
+        out = out + shared_experts(p, cfg, flat, gamma, parallel, matvec)
     out = out.astype(x.dtype)
     if parallel is not None:
         out = jax.lax.psum(out, (parallel.ep_axis, parallel.tp_axis))
@@ -446,11 +474,12 @@ def moe_mlp(p: Params, cfg: InklingConfig, x: Array, experts_impl: str = "auto",
 
 
 def mlp(p: Params, cfg: InklingConfig, dense: bool, x: Array, few_token_experts: Any = None,
-        parallel: "ParallelAxes | None" = None, many_token_experts: Any = None) -> Array:
+        parallel: "ParallelAxes | None" = None, many_token_experts: Any = None,
+        few_token_matvec: Any = None) -> Array:
     if dense:
         return dense_mlp(p, cfg, x, parallel)
     return moe_mlp(p, cfg, x, few_token_experts=few_token_experts, parallel=parallel,
-                   many_token_experts=many_token_experts)
+                   many_token_experts=many_token_experts, few_token_matvec=few_token_matvec)
 
 
 # ----------------------------------------------------------------------- the layer
@@ -466,7 +495,7 @@ def decoder_layer(
     x = x + ctx.conv("attn", a, p["attn_conv"])
     h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
     m = mlp(p["mlp"], cfg, dense, h, getattr(ctx, "few_token_experts", None), getattr(ctx, "parallel", None),
-            getattr(ctx, "many_token_experts", None))
+            getattr(ctx, "many_token_experts", None), getattr(ctx, "few_token_matvec", None))
     return x + ctx.conv("mlp", m, p["mlp_conv"])
 
 

@@ -68,6 +68,7 @@ class StepContext:
         self.page_layer: int | None = None
         self.few_token_experts = ops.moe_experts  # read by layers.decoder_layer
         self.many_token_experts = ops.moe_experts_many
+        self.few_token_matvec = ops.grouped_matvec
 
     def bind(self, fields: LayerSlotFields, page_layer: int | None) -> "StepContext":
         self.fields, self.page_layer = fields, page_layer
