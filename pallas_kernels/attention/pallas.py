@@ -93,6 +93,17 @@ from . import ref
 
 # H200, bench prefill shapes (bench/attention_micro.py): 128 x 128 tiles with 8 warps ran
 # 1.18-1.35x the 64 x 64 / 4-warp tiles on full and sliding layers at 8 x 1024 and 1 x 8192
+# with the far-block loops, sliding layers of long rows ran faster with 64-key blocks (H200,
+# 1 x 8192, window 512: 0.531 vs 0.634 ms in two runs; not at 8 x 1024): `default_bk`
+SLIDING_LONG_QUERIES = 4096  # query rows per row from which a sliding layer takes SLIDING_LONG_BK
+SLIDING_LONG_BK = 64
+
+
+def default_bk(nq_tok: int, window: int | None) -> int:
+    """Keys per block when the caller gives none: SLIDING_LONG_BK for sliding layers of long
+    rows (a query tile's live keys span ~window + bq there, so smaller blocks waste less on the
+    masked edges), BK otherwise."""
+    return SLIDING_LONG_BK if window is not None and nq_tok >= SLIDING_LONG_QUERIES else BK
 BQ = 128  # queries per program
 BK = 128  # keys per block of the loop
 NUM_WARPS = 8
@@ -159,7 +170,7 @@ def _use_kernel(q, k, v, rel, q_pos, k_pos, k_valid) -> bool:
             and k.shape[0] == b)
 
 
-def _forward(q, k, v, rel, q_pos, k_pos, k_valid, *, window: int | None, bq: int, bk: int, num_warps: int,
+def _forward(q, k, v, rel, q_pos, k_pos, k_valid, *, window: int | None, bq: int, bk: int | None, num_warps: int,
              num_stages: int, interpret: bool) -> Array:
     """attention without its custom VJP: the kernel, or the reference where the shapes need it."""
     if not _use_kernel(q, k, v, rel, q_pos, k_pos, k_valid):
@@ -168,7 +179,7 @@ def _forward(q, k, v, rel, q_pos, k_pos, k_valid, *, window: int | None, bq: int
     nk_tok, hkv = k.shape[1], k.shape[2]
     e = rel.shape[3]
     g = h // hkv
-    bq, bk = _block(nq_tok, bq), _block(nk_tok, bk)
+    bq, bk = _block(nq_tok, bq), _block(nk_tok, default_bk(nq_tok, window) if bk is None else bk)
     nq, nk = -(-nq_tok // bq), -(-nk_tok // bk)
     pq, pk = nq * bq - nq_tok, nk * bk - nk_tok
 
@@ -254,12 +265,12 @@ def _forward(q, k, v, rel, q_pos, k_pos, k_valid, *, window: int | None, bq: int
 
 def attention(q: Float[Array, "B Q H D"], k: Float[Array, "B K Hkv D"], v: Float[Array, "B K Hkv D"],
               rel: Float[Array, "B Q H E"], q_pos: Int[Array, "B Q"], k_pos: Int[Array, "B K"],
-              k_valid: Bool[Array, "B K"], *, window: int | None, bq: int = BQ, bk: int = BK,
+              k_valid: Bool[Array, "B K"], *, window: int | None, bq: int = BQ, bk: int | None = None,
               num_warps: int = NUM_WARPS, num_stages: int = NUM_STAGES,
               interpret: bool = False) -> Float[Array, "B Q H D"]:
     """`ref.attention` (same signature and semantics) as a flash-style Pallas kernel; backward:
     the reference's VJP. bq / bk: queries per program and keys per loop block (powers of two
-    >= 16). See the module docstring."""
+    >= 16; bk None: `default_bk`). See the module docstring."""
     kernel_fn = partial(_forward, window=window, bq=bq, bk=bk, num_warps=num_warps, num_stages=num_stages,
                         interpret=interpret)
     return with_ref_vjp(kernel_fn, partial(ref.attention, window=window))(q, k, v, rel, q_pos, k_pos, k_valid)
