@@ -280,8 +280,8 @@ class StepRunner:
         replicated over the mesh): what warm-up feeds the decode feed in place of a step's
         outputs. A jit compiles per input placement *and* commitment, and a jit's outputs are
         committed when one of its inputs is (params placed by the caller, say): the probe takes
-        the step's params and state, so it follows the same rule. (Committing the outputs at
-        serving time instead costs a copy and ~2 ms of host time per dispatch.)"""
+        the step's params and state, so it follows the same rule. (Committing uncommitted outputs
+        at serving time instead copies them: 1.9 ms of host time per call on a 2-core CPU.)"""
         sharding = None if self.plan is None else NamedSharding(self.plan.mesh, PartitionSpec())
         return _zeros_probe(shape, sharding)(self.params, self.state)
 
