@@ -16,7 +16,8 @@ per phase, on a GPU. One run, sections chosen with --sections:
   ms/step is per generated token step (decode wall time / the tokens a row generated after
   its first), so K=1 and K>1 compare; the dispatches are counted apart. Against the HBM
   roofline of a decode step at that context (bytes that must move / measured copy
-  bandwidth; bench/decode_runs.py).
+  bandwidth; bench/decode_runs.py). Median of `--decode-reps` timed runs on one engine,
+  with their range: B = 1 totals of one tree moved by up to 0.17 ms between device runs.
 * prefill: issue 17's target, prefill >= 40 % of the bf16 peak (--peak-tflops) at 8 x 1k and
   1 x 8k (`--prefill-cases 8x1024,1x8192`; smoke: 2x32,1x128) in the engine loop: one engine
   per case with the whole case in one extend step where the config allows (chunk_size = L,
@@ -108,6 +109,7 @@ def parse_args(argv=None):
                    "submitted together (default 8x1024,1x8192; smoke: 2x32,1x128)")
     p.add_argument("--prefill-kernels", default="pallas,jnp", help="prefill section: 'pallas' (the engine's default "
                    "on a GPU) and / or 'jnp' (use_pallas=False), side by side (smoke: jnp)")
+    p.add_argument("--decode-reps", type=int, default=3, help="decode section: timed runs per case (median, range)")
     p.add_argument("--prefill-reps", type=int, default=3, help="prefill section: timed runs per case (median)")
     p.add_argument("--prefill-step-tokens", type=int, default=0, help="prefill section: cap on tokens per extend "
                    "step (0: the whole case, N x L)")
@@ -172,12 +174,18 @@ def section_decode(args, cfg, params, report: Report, bandwidth: float) -> dict:
                 engine = ik.Engine(cfg, params, config)
                 # long enough for a dispatch of K steps
                 warm(engine, prompts, ik.SamplingParams(max_new_tokens=max(4, 2 * k + 2), stop_at_eos=False))
-                ph = phases(engine, prompts, sp)
-                ms = decode_ms_per_token(ph)
+                runs = []
+                for _ in range(max(1, args.decode_reps)):
+                    runs.append(phases(engine, prompts, sp))
+                    engine.evict_all()
+                times = sorted(decode_ms_per_token(r) for r in runs)
+                ms = statistics.median(times)
+                ph = runs[0]
                 on = engine.runner.overlap
                 per_batch[(b, k) if overlap == "auto" else (b, k, on)] = ms
+                spread = f" ({times[0]:.3f}-{times[-1]:.3f})" if len(times) > 1 else ""
                 rows.append([b, k, "on" if on else "off", f"{b * args.prompt_len / ph['prefill_s']:.0f}",
-                             ph["prefill_steps"], f"{ms:.3f}", f"{b * 1e3 / ms:.0f}",
+                             ph["prefill_steps"], f"{ms:.3f}{spread}", f"{b * 1e3 / ms:.0f}",
                              f"{ph['decode_dispatches']} / {ph['decode_tokens']}", f"{roof_ms:.3f}",
                              f"{100 * roof_ms / ms:.0f} %", engine.stats()["compiles"]])
                 log(f"decode B={b} K={k} overlap={on}: {rows[-1]}")
@@ -187,7 +195,7 @@ def section_decode(args, cfg, params, report: Report, bandwidth: float) -> dict:
                + "\n\nK: decode steps per dispatch (EngineConfig.decode_steps). overlap: EngineConfig.overlap (the "
                "next decode dispatched before the last is read). ms/step: decode wall time / the "
                "tokens a row generated after its first token (per token step, whatever K), against the roofline of "
-               "one decode step.", "decode")
+               "one decode step; median (range) of the timed runs.", "decode")
     return per_batch
 
 
