@@ -93,6 +93,13 @@ from . import ref
 
 # H200, bench prefill shapes (bench/attention_micro.py): 128 x 128 tiles with 8 warps ran
 # 1.18-1.35x the 64 x 64 / 4-warp tiles on full and sliding layers at 8 x 1024 and 1 x 8192
+BQ = 128  # queries per program
+BK = 128  # keys per block of the loop
+NUM_WARPS = 8
+NUM_STAGES = 2
+MIN_BLOCK = 16  # Triton dots need every dimension >= 16
+INT32_MIN = -(2**31)
+LOG2E = 1.4426950408889634  # exp(x) = exp2(x * LOG2E): ex2 on the GPU (expf is a libdevice call)
 # with the far-block loops, sliding layers of long rows ran faster with 64-key blocks (H200,
 # 1 x 8192, window 512: 0.531 vs 0.634 ms in two runs; not at 8 x 1024): `default_bk`
 SLIDING_LONG_QUERIES = 4096  # query rows per row from which a sliding layer takes SLIDING_LONG_BK
@@ -104,13 +111,6 @@ def default_bk(nq_tok: int, window: int | None) -> int:
     rows (a query tile's live keys span ~window + bq there, so smaller blocks waste less on the
     masked edges), BK otherwise."""
     return SLIDING_LONG_BK if window is not None and nq_tok >= SLIDING_LONG_QUERIES else BK
-BQ = 128  # queries per program
-BK = 128  # keys per block of the loop
-NUM_WARPS = 8
-NUM_STAGES = 2
-MIN_BLOCK = 16  # Triton dots need every dimension >= 16
-INT32_MIN = -(2**31)
-LOG2E = 1.4426950408889634  # exp(x) = exp2(x * LOG2E): ex2 on the GPU (expf is a libdevice call)
 
 
 def _pow2_ceil(n: int) -> int:
