@@ -28,6 +28,8 @@ has the reference's signature (`interpret` is bound):
         attention_core materialises the scores then)
     ring_attention(q, rel, k_new, v_new, q_pos, q_valid, arena, ring_unit_row, seq_start,
         has_state, *, ring, window) -> out, or None (the step gathers the ring then)
+    router_epilogue(logits, bias, scale, *, k, route_scale, num_experts) -> (idx, w, gamma):
+        layers.route after its matmul, or None (route's jnp then)
     paged_attention(q, rel, k_new, v_new, q_pos, q_valid, arena, page_unit_row, seq_start, *,
         page_size, window) -> out, or None (the step gathers the pages then)
 
@@ -61,12 +63,13 @@ class ConvOps:
     attention: Callable | None  # fused attention of many queries (steps.context.StepContext.attend)
     ring_attention: Callable | None  # few queries against sliding rings read in place (decode / verify)
     paged_attention: Callable | None  # few queries against full-attention pages read in place
+    router_epilogue: Callable | None  # the MoE router after its matmul (layers.route's epilogue)
     pallas: bool  # True: the Pallas kernels
     interpret: bool
 
 
 REFERENCE_OPS = ConvOps(conv_state.ref.conv_update, conv_state.ref.conv_write, slot_ops.ref.copy_units,
-                        slot_ops.ref.clear_units, None, None, None, None, None, None, pallas=False,
+                        slot_ops.ref.clear_units, None, None, None, None, None, None, None, pallas=False,
                         interpret=False)
 
 
@@ -107,6 +110,7 @@ def _pallas_ops(interpret: bool) -> ConvOps:
                           "num_stages"),
                    jitted(attention.decode.paged_attention, "page_size", "window", "num_splits", "num_warps",
                           "num_stages"),
+                   jitted(moe.router.router_epilogue, "k", "route_scale", "num_experts", "block_rows", "num_warps"),
                    pallas=True, interpret=interpret)
 
 
