@@ -110,9 +110,13 @@ def _pad_lone_row() -> bool:
     return jax.default_backend() == "gpu" if PAD_LONE_ROW is None else PAD_LONE_ROW
 
 
-def matmul(x: Float[Array, "... i"], w: Float[Array, "i o"]) -> Float[Array, "... o"]:
+def matmul(x: Float[Array, "... i"], w: Float[Array, "i o"], matvec: Any = None) -> Float[Array, "... o"]:
     """x @ w in x's dtype with fp32 accumulation and an fp32 result (a single row of x is
-    padded to two where PAD_LONE_ROW says, see above)."""
+    padded to two where PAD_LONE_ROW says, see above; or goes through `matvec`, a
+    `pallas_kernels.moe.pallas.grouped_matvec`-like kernel, where given: no pad, no slice)."""
+    if matvec is not None and w.ndim == 2 and math.prod(x.shape[:-1]) == 1:
+        y = matvec(x.reshape(1, -1), jnp.zeros((1,), jnp.int32), w[None])
+        return y.reshape(*x.shape[:-1], w.shape[-1])
     w = w.astype(x.dtype)
     if w.ndim == 2 and math.prod(x.shape[:-1]) == 1 and _pad_lone_row():
         x2 = jnp.pad(x.reshape(1, -1), ((0, 1), (0, 0)))
@@ -121,9 +125,9 @@ def matmul(x: Float[Array, "... i"], w: Float[Array, "i o"]) -> Float[Array, "..
     return jnp.matmul(x, w, preferred_element_type=jnp.float32)
 
 
-def linear(x: Float[Array, "... i"], w: Float[Array, "i o"]) -> Float[Array, "... o"]:
-    """x @ w with fp32 accumulation, returned in x's dtype."""
-    return matmul(x, w).astype(x.dtype)
+def linear(x: Float[Array, "... i"], w: Float[Array, "i o"], matvec: Any = None) -> Float[Array, "... o"]:
+    """x @ w with fp32 accumulation, returned in x's dtype (`matvec`: see `matmul`)."""
+    return matmul(x, w, matvec).astype(x.dtype)
 
 
 @jax.named_scope("norm")
@@ -249,29 +253,48 @@ def attention_core(
     return out.astype(dtype).reshape(b, tq, nh, hd)
 
 
-def split_qkvr(p: Params, x: Array, geom: AttentionGeometry, cfg: InklingConfig) -> tuple[Array, Array, Array, Array]:
-    """The q / k / v / r projections, from a fused `wqkvr` [H, q|k|v|r] or separate weights."""
+def split_qkvr(p: Params, x: Array, geom: AttentionGeometry, cfg: InklingConfig, matvec: Any = None
+               ) -> tuple[Array, Array, Array]:
+    """The q / k|v / r projections, from a fused `wqkvr` [H, q|k|v|r] or separate weights:
+    (q, kv, r) with k and v side by side in kv [..., 2 * kv_dim] (one slice of the fused
+    product: separate k and v slices joined again cost two launches per layer on the GPU)."""
     if "wqkvr" in p:
-        y = linear(x, p["wqkvr"])
+        y = linear(x, p["wqkvr"], matvec)
         qd, kd = geom.q_dim, geom.kv_dim
-        return y[..., :qd], y[..., qd:qd + kd], y[..., qd + kd:qd + 2 * kd], y[..., qd + 2 * kd:]
-    return linear(x, p["wq"]), linear(x, p["wk"]), linear(x, p["wv"]), linear(x, p["wr"])
+        return y[..., :qd], y[..., qd:qd + 2 * kd], y[..., qd + 2 * kd:]
+    return linear(x, p["wq"]), jnp.concatenate([linear(x, p["wk"]), linear(x, p["wv"])], axis=-1), linear(x, p["wr"])
+
+
+def kv_conv_weight(p: Params) -> Float[Array, "k two_kv"]:
+    """The k and v conv taps side by side, [K, 2 * kv_dim]: p["kv_conv"] where the caller
+    joined them once (`with_kv_conv`), else joined here."""
+    return p["kv_conv"] if "kv_conv" in p else jnp.concatenate([p["k_conv"], p["v_conv"]], axis=-1)
+
+
+def with_kv_conv(params: Params) -> Params:
+    """params with each attention block's k / v conv taps also joined as "kv_conv": a decode
+    loop joins them once per dispatch instead of once per layer and token step (XLA keeps the
+    concatenate inside the loop body: one launch per layer and step)."""
+    layers = [{**p, "attn": {**p["attn"], "kv_conv": kv_conv_weight(p["attn"])}} for p in params["layers"]]
+    return {**params, "layers": layers}
 
 
 @jax.named_scope("attention")
 def attention_block(p: Params, cfg: InklingConfig, geom: AttentionGeometry, x: Array, ctx: LayerContext) -> Array:
     """Projections, k/v short convs, q/k RMSNorm, attention through ctx, output projection."""
     lead = x.shape[:-1]
-    q, k, v, r = split_qkvr(p, x, geom, cfg)
+    # one token (batch-1 decode): the projections through the context's mat-vec kernel
+    matvec = getattr(ctx, "lone_row_matvec", None)
+    q, kv, r = split_qkvr(p, x, geom, cfg, matvec)
     # k and v convs are depthwise and adjacent in the conv state: one call over both
-    kv = ctx.conv("kv", jnp.concatenate([k, v], axis=-1), jnp.concatenate([p["k_conv"], p["v_conv"]], axis=-1))
+    kv = ctx.conv("kv", kv, kv_conv_weight(p))
     k, v = kv[..., :geom.kv_dim], kv[..., geom.kv_dim:]
     q = rms_norm(q.reshape(*lead, geom.num_heads, geom.head_dim), p["q_norm"], cfg.rms_norm_eps)
     k = rms_norm(k.reshape(*lead, geom.num_kv_heads, geom.head_dim), p["k_norm"], cfg.rms_norm_eps)
     v = v.reshape(*lead, geom.num_kv_heads, geom.head_dim)
     r = r.reshape(*lead, geom.num_heads, cfg.d_rel)
     o = ctx.attend(q, k, v, r, p["rel_proj"], geom)
-    return tp_psum(linear(o.reshape(*lead, geom.q_dim), p["wo"]), getattr(ctx, "parallel", None))
+    return tp_psum(linear(o.reshape(*lead, geom.q_dim), p["wo"], matvec), getattr(ctx, "parallel", None))
 
 
 # ------------------------------------------------------------------------------ MLPs
@@ -295,14 +318,24 @@ def dense_mlp(p: Params, cfg: InklingConfig, x: Array, parallel: "ParallelAxes |
 
 
 @jax.named_scope("router")
-def route(p: Params, cfg: InklingConfig, x: Float[Array, "n h"]) -> tuple[Array, Array, Array]:
+def route(p: Params, cfg: InklingConfig, x: Float[Array, "n h"], epilogue: Any = None
+          ) -> tuple[Array, Array, Array]:
     """Inkling's router (fp32): returns (topk_idx [n,k], topk_weight [n,k], shared_gamma [n,S]).
 
     Selection uses sigmoid (or softmax) scores of the routed experts plus the selection bias;
     with norm_after_topk the weights renormalise over the selected routed experts *and* the
-    shared "sink" experts; everything is scaled by route_scale * global_scale."""
+    shared "sink" experts; everything is scaled by route_scale * global_scale.
+
+    epilogue: a `pallas_kernels.moe.router.router_epilogue`-like function computing all of it
+    from the logits in one launch (where XLA's GPU code takes ~5), used for the sigmoid +
+    norm_after_topk configs; None: the jnp below."""
     e, s, k = cfg.n_routed_experts, cfg.n_shared_experts, cfg.num_experts_per_tok
     logits = jnp.matmul(x.astype(jnp.float32), p["router"].astype(jnp.float32))  # [n, e(+s)]
+    if epilogue is not None and cfg.gate_activation == "sigmoid" and cfg.norm_after_topk:
+        if not (cfg.shared_expert_sink and s > 0):
+            logits = logits[:, :e]
+        return epilogue(logits, p.get("router_bias"), p.get("router_scale"), k=k, route_scale=float(cfg.route_scale),
+                        num_experts=e)
     routed = logits[:, :e]
     if cfg.gate_activation == "sigmoid":
         scores = jax.nn.sigmoid(routed)
@@ -332,11 +365,15 @@ def route(p: Params, cfg: InklingConfig, x: Float[Array, "n h"]) -> tuple[Array,
 
 
 def moe_experts_dense(x: Float[Array, "n h"], idx: Array, weight: Array, w13: Array, w2: Array) -> Array:
-    """Routed experts by evaluating every expert and weighting (exact; cost ~ all experts)."""
-    gu = jnp.einsum("nh,ehf->enf", x, w13.astype(x.dtype), preferred_element_type=jnp.float32)
-    half = gu.shape[-1] // 2
-    act = (jax.nn.silu(gu[..., :half]) * gu[..., half:]).astype(x.dtype)
-    y = jnp.einsum("enf,efh->enh", act, w2.astype(x.dtype), preferred_element_type=jnp.float32)
+    """Routed experts by evaluating every expert and weighting (exact; cost ~ all experts).
+
+    The activations are kept expert-feature-major, [E, 2F, n] with the tokens minor: that is
+    the layout XLA's GPU GEMM writes for a few tokens (the tokens are the narrow dimension),
+    where an [E, n, 2F] result cost a transpose of the fp32 products in every layer."""
+    gu = jnp.einsum("nh,ehf->efn", x, w13.astype(x.dtype), preferred_element_type=jnp.float32)
+    half = gu.shape[1] // 2
+    act = (jax.nn.silu(gu[:, :half]) * gu[:, half:]).astype(x.dtype)  # [E, F, n]
+    y = jnp.einsum("efn,efh->enh", act, w2.astype(x.dtype), preferred_element_type=jnp.float32)
     # each token's k chosen outputs gathered from y and summed in choice order (as
     # moe_experts_slices does): elementwise work XLA fuses into one kernel, where a combine
     # matrix (a scatter) and a dot over e cost a scatter, a transpose of y and a reduction on the
@@ -416,13 +453,14 @@ def shared_experts(p: Params, cfg: InklingConfig, flat: Float[Array, "n h"], gam
         xs, gs = flat, gamma
         if n == 1 and _pad_lone_row():  # keep the batched products GEMMs (see PAD_LONE_ROW)
             xs, gs = jnp.pad(flat, ((0, 1), (0, 0))), jnp.pad(gamma, ((0, 1), (0, 0)))
-        gu = jnp.einsum("nh,shf->snf", xs, p["shared_w13"].astype(flat.dtype), preferred_element_type=jnp.float32)
-        half = gu.shape[-1] // 2
-        act = jax.nn.silu(gu[..., :half]) * gu[..., half:]
+        # [S, 2F, n], tokens minor, as moe_experts_dense (XLA merges the two products' GEMMs)
+        gu = jnp.einsum("nh,shf->sfn", xs, p["shared_w13"].astype(flat.dtype), preferred_element_type=jnp.float32)
+        half = gu.shape[1] // 2
+        act = jax.nn.silu(gu[:, :half]) * gu[:, half:]
         if gated:
-            act = act * gs.T[:, :, None]
+            act = act * gs.T[:, None, :]
         act = act.astype(flat.dtype)
-        shared = jnp.einsum("snf,sfh->snh", act, p["shared_w2"].astype(flat.dtype),
+        shared = jnp.einsum("sfn,sfh->snh", act, p["shared_w2"].astype(flat.dtype),
                             preferred_element_type=jnp.float32)
         shared = shared[:, :n].astype(flat.dtype).astype(jnp.float32).sum(axis=0)
     if parallel is not None and parallel.ep > 1:  # every ep shard holds the shared experts: count them once
@@ -433,7 +471,7 @@ def shared_experts(p: Params, cfg: InklingConfig, flat: Float[Array, "n h"], gam
 @jax.named_scope("moe")
 def moe_mlp(p: Params, cfg: InklingConfig, x: Array, experts_impl: str = "auto",
             few_token_experts: Any = None, parallel: "ParallelAxes | None" = None,
-            many_token_experts: Any = None, few_token_matvec: Any = None) -> Array:
+            many_token_experts: Any = None, few_token_matvec: Any = None, router_epilogue: Any = None) -> Array:
     """MoE: routed top-k experts plus shared experts (sink-weighted or plain).
 
     experts_impl: a MOE_IMPLS name, or "auto": a few tokens read only their experts (one slice
@@ -443,14 +481,14 @@ def moe_mlp(p: Params, cfg: InklingConfig, x: Array, experts_impl: str = "auto",
     when given (same signature: the Pallas sorted-block grouped GEMMs, which compute only the
     chosen experts; below that their padding of each expert's rows costs more than dense).
     `few_token_matvec` (the grouped mat-vec kernel) computes the shared experts where
-    `few_token_experts` computes the routed.
+    `few_token_experts` computes the routed. `router_epilogue`: see `route`.
 
     With `parallel`, cfg is the local config (E / ep experts of width F / tp here) and the
     router runs on `parallel.global_cfg` (see the module docstring)."""
     lead = x.shape[:-1]
     flat = x.reshape(-1, x.shape[-1])
     routing_cfg = cfg if parallel is None else parallel.global_cfg
-    idx, w, gamma = route(p, routing_cfg, flat)
+    idx, w, gamma = route(p, routing_cfg, flat, router_epilogue)
     if parallel is not None:
         idx, w = local_expert_choices(idx, w, p["w13"].shape[0], parallel)
     n = flat.shape[0]
@@ -475,11 +513,12 @@ def moe_mlp(p: Params, cfg: InklingConfig, x: Array, experts_impl: str = "auto",
 
 def mlp(p: Params, cfg: InklingConfig, dense: bool, x: Array, few_token_experts: Any = None,
         parallel: "ParallelAxes | None" = None, many_token_experts: Any = None,
-        few_token_matvec: Any = None) -> Array:
+        few_token_matvec: Any = None, router_epilogue: Any = None) -> Array:
     if dense:
         return dense_mlp(p, cfg, x, parallel)
     return moe_mlp(p, cfg, x, few_token_experts=few_token_experts, parallel=parallel,
-                   many_token_experts=many_token_experts, few_token_matvec=few_token_matvec)
+                   many_token_experts=many_token_experts, few_token_matvec=few_token_matvec,
+                   router_epilogue=router_epilogue)
 
 
 # ----------------------------------------------------------------------- the layer
@@ -495,7 +534,8 @@ def decoder_layer(
     x = x + ctx.conv("attn", a, p["attn_conv"])
     h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
     m = mlp(p["mlp"], cfg, dense, h, getattr(ctx, "few_token_experts", None), getattr(ctx, "parallel", None),
-            getattr(ctx, "many_token_experts", None), getattr(ctx, "few_token_matvec", None))
+            getattr(ctx, "many_token_experts", None), getattr(ctx, "few_token_matvec", None),
+            getattr(ctx, "router_epilogue", None))
     return x + ctx.conv("mlp", m, p["mlp_conv"])
 
 

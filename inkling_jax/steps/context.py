@@ -51,12 +51,20 @@ class StepContext:
     `parallel` (a `ParallelAxes`, read by `layers.py` as `ctx.parallel`): the step runs as one
     shard of a mesh, inside `shard_map`; cfg and layout are then the plan's local ones and
     `arena` is this device's block `[num_units, unit_elems_local]` (see
-    `inkling_jax/parallel/serving.py`). None: the single-device program."""
+    `inkling_jax/parallel/serving.py`). None: the single-device program.
+
+    `one_token_per_row`: packed token i is row i's only new token (a decode step's target
+    pass, `steps.batch.pack_batch`): the attention then takes its per-row [B, 1, ...] views
+    by reshapes instead of gathers through `row_tokens` (one launch each on the GPU, five per
+    layer). Padded rows read their own padding token instead of token 0: no valid query or
+    key either way."""
 
     def __init__(self, cfg: InklingConfig, layout: ArenaLayout, ops: Any, arena: Array, meta: RowMeta,
-                 physical_pages: Array, deferred: bool = False, parallel: Any = None):
+                 physical_pages: Array, deferred: bool = False, parallel: Any = None,
+                 one_token_per_row: bool = False):
         self.cfg, self.layout, self.ops = cfg, layout, ops
         self.parallel = parallel
+        self.one_token_per_row = one_token_per_row
         self.arena = arena
         self.meta = meta
         self.physical_pages = physical_pages  # [B, P]
@@ -69,6 +77,8 @@ class StepContext:
         self.few_token_experts = ops.moe_experts  # read by layers.decoder_layer
         self.many_token_experts = ops.moe_experts_many
         self.few_token_matvec = ops.grouped_matvec
+        self.router_epilogue = ops.router_epilogue
+        self.lone_row_matvec = ops.grouped_matvec  # read by layers.attention_block
 
     def bind(self, fields: LayerSlotFields, page_layer: int | None) -> "StepContext":
         self.fields, self.page_layer = fields, page_layer
@@ -106,10 +116,13 @@ class StepContext:
         meta = self.meta
         qn = meta.rows.row_tokens.shape[1]
         # packed [T, ...] -> per-row padded [B, Q, ...]
-        q_idx = meta.rows.row_tokens
         q_valid = jnp.arange(qn)[None, :] < meta.num_new[:, None]
         q_pos = meta.seq_start[:, None] + jnp.arange(qn)[None, :]
-        qp, kp, vp, rp = q[q_idx], k[q_idx], v[q_idx], r[q_idx]
+        if self.one_token_per_row:
+            qp, kp, vp, rp = q[:, None], k[:, None], v[:, None], r[:, None]
+        else:
+            q_idx = meta.rows.row_tokens
+            qp, kp, vp, rp = q[q_idx], k[q_idx], v[q_idx], r[q_idx]
 
         ops, lay = self.ops, self.layout
         in_place = ops.ring_attention if geom.is_sliding else ops.paged_attention
@@ -152,6 +165,8 @@ class StepContext:
                 self.arena = write(self.arena, self.meta)
         else:
             self._write_pages(k, v, out)
+        if self.one_token_per_row:
+            return out[:, 0]
         return out[meta.rows.token_row, meta.rows.token_offset]
 
     @jax.named_scope("read_pages")

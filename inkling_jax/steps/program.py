@@ -150,6 +150,7 @@ def run_step(params: Params, state: ServingState, batch: StepBatch, *, cfg: Inkl
     if shape.steps == 1:
         return single_step(params, state, batch, shape=shape, **kw)
     one = dataclasses.replace(shape, steps=1)
+    params = L.with_kv_conv(params)
     tokens, logprobs, ran, drafts, state = decode_loop(
         lambda st, bt: single_step(params, st, bt, shape=one, **kw), state, batch, shape.steps, shape.query)
     return StepOutput(tokens, logprobs, ran, jnp.zeros(drafts.shape, jnp.float32), drafts), state
@@ -166,7 +167,8 @@ def single_step(params: Params, state: ServingState, batch: StepBatch, *, cfg: I
     verify = shape.mode == "verify"
     meta = target_meta(batch, shape.query, ids.physical_slot, ids.physical_track_slot, batch.num_new,
                        batch.track_len)
-    ctx = StepContext(cfg, layout, ops, arena, meta, ids.physical_pages, deferred=verify, parallel=parallel)
+    ctx = StepContext(cfg, layout, ops, arena, meta, ids.physical_pages, deferred=verify, parallel=parallel,
+                      one_token_per_row=shape.mode == "decode")
     h = run_layers(params, cfg, layout, ctx, L.embed(params, cfg, batch.tokens, params["unembed"].dtype, parallel))
 
     if verify:
