@@ -16,7 +16,7 @@ per phase, on a GPU. One run, sections chosen with --sections:
   ms/step is per generated token step (decode wall time / the tokens a row generated after
   its first), so K=1 and K>1 compare; the dispatches are counted apart. Against the HBM
   roofline of a decode step at that context (bytes that must move / measured copy
-  bandwidth; bench/decode_runs.py). Median of `--decode-reps` timed runs on one engine,
+  bandwidth: on a GPU the copy kernel's time from a profile; bench/decode_runs.py). Median of `--decode-reps` timed runs on one engine,
   with their range: B = 1 totals of one tree moved by up to 0.17 ms between device runs.
 * prefill: issue 17's target, prefill >= 40 % of the bf16 peak (--peak-tflops) at 8 x 1k and
   1 x 8k (`--prefill-cases 8x1024,1x8192`; smoke: 2x32,1x128) in the engine loop: one engine
@@ -330,7 +330,11 @@ def main(argv=None) -> int:
     if "prefix" in sections:
         section_prefix(args, cfg, params, report)
     if "decode" in sections or "mesh" in sections:
-        bandwidth = copy_bandwidth(1 << 20 if args.smoke else 1 << 30, jnp.bfloat16)
+        # on a GPU the copy kernel's own time (profiler): the wall time of synced copies, median
+        # or best of 20, moved from 2974 to 3699 GB/s between processes on 2026-12-04, and with
+        # it every roofline figure; the kernel time read 4264 and 4265
+        bandwidth = copy_bandwidth(1 << 20 if args.smoke else 1 << 30, jnp.bfloat16,
+                                   device_time=jax.default_backend() == "gpu")
         log(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s")
         decode_ms = section_decode(args, cfg, params, report, bandwidth)
     if "prefill" in sections:
