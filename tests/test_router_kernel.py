@@ -163,10 +163,6 @@ def test_kernel_lowers_for_gpu(verify_triton_modules):
             text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
         except (ImportError, NotImplementedError) as exc:
             pytest.skip(f"no Triton lowering here: {exc}")
-        except RuntimeError as exc:  # a CUDA plugin this CPU-only run did not initialise (the GPU machine)
-            if "No supported GPU devices" not in str(exc):
-                raise
-            pytest.skip(f"abstract CUDA lowering unavailable beside an uninitialised GPU plugin: {exc}")
         assert text.count("xla.gpu.triton") == 1, text
         for op in ("stablehlo.pad", "stablehlo.slice", "stablehlo.concatenate", "stablehlo.sort"):
             assert op not in text, (op, text)

@@ -1,0 +1,75 @@
+"""What the decode loop body traces (the Pallas ops in interpret mode): every op there runs K
+times per dispatch, and on the GPU each small one is a launch (BENCHMARKS.md, "Fewer launches
+per decode step"). These tests pin the launches that were taken out, so that a rewrite does not
+quietly bring them back:
+
+* the attention of a decode step (one token per row) takes its per-row views by reshapes: no
+  gather (and no concatenate) under the `attention` / `attend` scopes outside the K/V writes;
+* the k / v conv taps are joined once per dispatch, before the loop (`layers.with_kv_conv`);
+* the router's epilogue is one kernel per MoE layer (no `top_k` left);
+* batch 1: the attention projections of the lone token go through the grouped mat-vec kernel.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import inkling_jax as ik
+from inkling_jax.cache.layout import ArenaLayout
+from inkling_jax.cache.state import ServingState
+from inkling_jax.steps import StepBatch, StepShape
+from inkling_jax.steps.program import run_step
+
+SLOTS, PAGES = 8, 32
+
+
+def loop_ops(jaxpr, in_loop: bool = False):
+    """(primitive name, pallas kernel name or None, name stack, inside the decode loop) of
+    every equation, sub-jaxprs included. The loop is a `fori_loop` over constants, which jax
+    traces as a `scan` (the interpret-mode kernels' grids are `while` loops)."""
+    for eqn in jaxpr.eqns:
+        kernel = eqn.params.get("name") if eqn.primitive.name == "pallas_call" else None
+        yield eqn.primitive.name, kernel, str(eqn.source_info.name_stack), in_loop
+        for key, value in eqn.params.items():
+            inside = in_loop or (eqn.primitive.name == "scan" and key == "jaxpr")
+            for sub in value if isinstance(value, (list, tuple)) else [value]:
+                if isinstance(sub, jax.extend.core.ClosedJaxpr):
+                    yield from loop_ops(sub.jaxpr, inside)
+                elif isinstance(sub, jax.extend.core.Jaxpr):
+                    yield from loop_ops(sub, inside)
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_decode_loop_body(batch):
+    cfg = ik.InklingConfig.tiny()
+    layout = ArenaLayout.build(cfg, 4)
+    shape = StepShape("decode", batch, batch, 1, 4, steps=2)
+    params = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, jnp.float32), ik.param_shapes(cfg),
+                          is_leaf=lambda x: isinstance(x, tuple))
+    state = ServingState(arena=jax.ShapeDtypeStruct((layout.arena_units(SLOTS, PAGES), layout.unit_elems),
+                                                    jnp.float32),
+                         slot_v2p=jax.ShapeDtypeStruct((SLOTS + 1,), jnp.int32),
+                         page_v2p=jax.ShapeDtypeStruct((PAGES + 1,), jnp.int32))
+    step = partial(run_step, cfg=cfg, layout=layout, shape=shape, use_pallas=True, interpret=True)
+    ops = list(loop_ops(jax.make_jaxpr(step)(params, state, StepBatch.empty(shape)).jaxpr))
+    body = [op for op in ops if op[3]]
+    assert body, "the K-step decode is a loop"
+
+    def attention_scope(stack: str) -> bool:  # the layer's attention, but not its K/V writes
+        return "layer/attention" in stack and "write_ring" not in stack and "write_pages" not in stack
+
+    regathered = [op for op in body if op[0] in ("gather", "concatenate") and attention_scope(op[2])]
+    assert regathered == []
+    assert not [op for op in body if op[0] == "top_k"]
+    moe_layers = cfg.num_layers - len(cfg.dense_layer_ids)
+    kernels = [op[1] for op in body if op[1] is not None]
+    assert kernels.count("moe_router_epilogue") == moe_layers
+    matvecs = kernels.count("moe_grouped_matvec")
+    if batch == 1:  # per layer wqkvr and wo; per MoE layer routed w13, w2 and shared w13, w2
+        assert matvecs == 2 * cfg.num_layers + 4 * moe_layers
+    else:  # B = 2 x top-2 of 8 experts: dense routed experts, the shared ones by einsum
+        assert matvecs == 0
