@@ -19,7 +19,7 @@ from inkling_jax.steps import check_batch, pack_batch
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench"
-SCRIPTS = ("decode", "kernels", "profile_decode", "gpu_check", "moe_micro", "serve")
+SCRIPTS = ("decode", "kernels", "profile_decode", "gpu_check", "moe_micro", "serve", "ab_decode")
 HELPERS = ("common", "decode_setup", "decode_runs", "kernel_timing", "kernel_cases", "serve_loop", "serve_fresh")
 
 
@@ -143,3 +143,29 @@ def test_serve_fresh_process_sections(tmp_path):
     assert float(base.split("|")[4]) > 0 and base.split("|")[5].strip() == "1.000"
     bad = next(line for line in lines if line.startswith("| `--xla_no_such_flag=1` | 1 | 1 |"))
     assert "failed: Unknown flag in XLA_FLAGS" in bad
+
+
+def test_ab_decode_reads_serve_tables():
+    """bench/ab_decode.py reads serve.py's decode table by its headers (a run of this session's
+    format: median with the range of the timed runs, and a cell without a range)."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        import ab_decode
+    finally:
+        sys.path.remove(str(BENCH))
+        sys.modules.pop("ab_decode", None)
+    table = """## Decode
+
+| B | K | overlap | prefill tok/s | prefill steps | decode ms/step | decode tok/s | dispatches / token steps |
+| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |
+| 1 | 8 | on | 48237 | 1 | 1.560 (1.558-1.561) | 641 | 16 / 127 |
+| 32 | 8 | on | 105373 | 8 | 2.899 | 11039 | 16 / 127 |
+
+| B | mesh (1, 1) ms/step |
+| --- | ---: |
+| 1 | 3.87 |
+"""
+    assert ab_decode.parse_decode_table(table) == {(1, 8): (1.560, 1.558, 1.561), (32, 8): (2.899, 2.899, 2.899)}
+    assert ab_decode.parse_trees(["base=ab/base", "new=."]) == [("base", "ab/base"), ("new", ".")]
+    with pytest.raises(SystemExit):
+        ab_decode.parse_trees(["base=x", "base=y"])

@@ -1,0 +1,161 @@
+"""Side-by-side decode timing of several source trees in one device call (A/B runs).
+
+Runs of one tree on different GPU machines moved by up to 0.17 ms per batch-1 token step, so a
+change is judged only against its base measured in the same call, one tree after the other,
+alternated for several rounds (BENCHMARKS.md's side-by-side tables were made this way).
+
+    # here (git): each base revision as a plain tree under ab/ (keep ab/ git-ignored)
+    python bench/ab_decode.py prepare base=db548be
+    # on the GPU (carry ab/): every tree's bench/serve.py decode section, alternated
+    python bench/ab_decode.py run base=ab/base new=. --rounds 2 --batches 1,32 --out ab.md
+
+`run` calls `python bench/serve.py --sections decode --decode-batches B --decode-steps K
+--decode-reps R --cache-dir "" --out F` inside each tree (the tree's own serve.py, model and
+kernels; a fresh process per run) and writes one table: decode ms per token step per tree,
+batch and round (the median of the run's R timed repeats, with their range), and each tree's
+ratio to the first tree in the same round. The per-run logs go to a temporary directory whose
+path the table names; a run that fails shows its last error line in the table.
+`--smoke` passes `--smoke` on (CPU, tiny model).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DECODE_MS = re.compile(r"^([\d.]+)(?: \(([\d.]+)-([\d.]+)\))?$")
+
+
+def parse_decode_table(markdown: str) -> dict[tuple[int, int], tuple[float, float, float]]:
+    """{(B, K): (median, low, high)} decode ms per token step from serve.py's decode table
+    (columns found by their headers "B", "K" and "decode ms/step"; a cell without a range
+    reads as a range of one value)."""
+    out: dict[tuple[int, int], tuple[float, float, float]] = {}
+    header: list[str] | None = None
+    for line in markdown.splitlines():
+        if not line.startswith("|"):
+            header = None
+            continue
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if header is None:
+            header = cells
+            continue
+        if not {"B", "K", "decode ms/step"} <= set(header) or set(cells[0]) <= set("-: "):
+            continue
+        row = dict(zip(header, cells))
+        m = DECODE_MS.match(row["decode ms/step"])
+        if m is None:
+            continue
+        med = float(m.group(1))
+        lo, hi = (float(m.group(2)), float(m.group(3))) if m.group(2) else (med, med)
+        out[(int(row["B"]), int(row["K"]))] = (med, lo, hi)
+    return out
+
+
+def parse_trees(specs: list[str]) -> list[tuple[str, str]]:
+    """["name=path", ...] -> [(name, path)], names unique."""
+    trees = []
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise SystemExit(f"a tree is NAME=PATH, not {spec!r}")
+        trees.append((name, path))
+    if len({n for n, _ in trees}) != len(trees):
+        raise SystemExit("tree names must differ")
+    return trees
+
+
+def prepare(args) -> None:
+    for name, rev in parse_trees(args.trees):
+        dest = os.path.join(args.dir, name)
+        if os.path.exists(dest):
+            raise SystemExit(f"{dest} exists: remove it first")
+        os.makedirs(dest)
+        archive = subprocess.run(["git", "-C", REPO, "archive", rev], capture_output=True, check=True).stdout
+        subprocess.run(["tar", "-x", "-C", dest], input=archive, check=True)
+        print(f"{name}: {rev} -> {dest}")
+
+
+def run_tree(path: str, args, out_md: str, log: str) -> str:
+    """One serve.py decode run inside the tree at `path`; returns '' or its last error line."""
+    cmd = [sys.executable, "bench/serve.py", "--sections", "decode", "--decode-batches", args.batches,
+           "--decode-steps", args.steps, "--decode-reps", str(args.reps), "--cache-dir", "", "--out", out_md]
+    if args.smoke:
+        cmd.append("--smoke")
+    with open(log, "w") as f:
+        proc = subprocess.run(cmd, cwd=os.path.abspath(path), stdout=f, stderr=subprocess.STDOUT,
+                              env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    if proc.returncode == 0 and os.path.exists(out_md):
+        return ""
+    lines = [ln for ln in open(log).read().splitlines() if ln.strip()]
+    return (lines[-1] if lines else f"exit {proc.returncode}")[:160]
+
+
+def run(args) -> None:
+    trees = parse_trees(args.trees)
+    logs = tempfile.mkdtemp(prefix="ab_decode_")
+    results: dict[tuple[str, int], dict] = {}
+    errors: dict[tuple[str, int], str] = {}
+    for rnd in range(1, args.rounds + 1):
+        for name, path in trees:
+            md, log = (os.path.join(logs, f"{name}.{rnd}.{ext}") for ext in ("md", "log"))
+            print(f"round {rnd}: {name} ({path})", flush=True)
+            err = run_tree(path, args, md, log)
+            results[(name, rnd)] = parse_decode_table(open(md).read()) if not err else {}
+            errors[(name, rnd)] = err
+    keys = sorted({k for r in results.values() for k in r})
+    first = trees[0][0]
+    rows = []
+    for b, k in keys:
+        for name, _ in trees:
+            cells, ratios = [], []
+            for rnd in range(1, args.rounds + 1):
+                got = results[(name, rnd)].get((b, k))
+                if got is None:
+                    cells.append(errors[(name, rnd)] or "-")
+                    continue
+                cells.append(f"{got[0]:.3f} ({got[1]:.3f}-{got[2]:.3f})")
+                base = results[(first, rnd)].get((b, k))
+                if base:
+                    ratios.append(f"{got[0] / base[0]:.3f}")
+            rows.append(f"| {name} | {b} | {k} | " + " | ".join(cells) + f" | {', '.join(ratios) or '-'} |")
+    rounds = " | ".join(f"round {r}" for r in range(1, args.rounds + 1))
+    text = "\n".join([
+        f"Decode ms per token step, the trees run one after the other, {args.rounds} round(s) "
+        f"(median of {args.reps} timed runs, range); ratio: to {first} in the same round. Logs: {logs}", "",
+        f"| tree | B | K | {rounds} | vs {first} |",
+        "| --- | ---: | ---: | " + " | ".join("---:" for _ in range(args.rounds)) + " | --- |",
+        *rows]) + "\n"
+    if not keys:
+        text += "".join(f"\n{n} round {r}: {e}" for (n, r), e in errors.items() if e) + "\n"
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    pp = sub.add_parser("prepare", help="git archive each NAME=REV into DIR/NAME")
+    pp.add_argument("trees", nargs="+")
+    pp.add_argument("--dir", default=os.path.join(REPO, "ab"))
+    pr = sub.add_parser("run", help="serve.py's decode section in each NAME=PATH tree, alternated")
+    pr.add_argument("trees", nargs="+")
+    pr.add_argument("--rounds", type=int, default=2)
+    pr.add_argument("--batches", default="1,32")
+    pr.add_argument("--steps", default="8", help="K decode steps per dispatch (serve.py --decode-steps)")
+    pr.add_argument("--reps", type=int, default=3)
+    pr.add_argument("--out", default="")
+    pr.add_argument("--smoke", action="store_true")
+    args = p.parse_args(argv)
+    prepare(args) if args.command == "prepare" else run(args)
+
+
+if __name__ == "__main__":
+    main()
