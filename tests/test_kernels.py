@@ -11,6 +11,9 @@ alone" and everything else bit for bit.
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
+import sys
 from dataclasses import dataclass
 
 import jax
@@ -573,3 +576,39 @@ def test_engine_with_pallas_kernels_matches_jnp(trunk_params, monkeypatch):
     assert (1, width) in traced["router"] and any(n > 1 for n, _ in traced["router"])  # decode and prefill
     assert out[True][0] == out[False][0]
     np.testing.assert_allclose(out[True][1], out[False][1], atol=1e-5)
+
+
+LOWER_AND_COUNT = """
+import builtins, jax, jax.numpy as jnp
+from pallas_kernels.moe import router
+tried, real_import = [], builtins.__import__
+def spy(name, *args, **kwargs):
+    if name.endswith(".tt"):
+        tried.append(name)
+    return real_import(name, *args, **kwargs)
+sds = jax.ShapeDtypeStruct
+fn = lambda lg, b, sc: router.router_epilogue(lg, b, sc, k=4, route_scale=8.0, num_experts=32)
+traced = jax.jit(fn).trace(sds((8, 34), jnp.float32), sds((32,), jnp.float32), sds((1,), jnp.float32))
+builtins.__import__ = spy
+try:
+    traced.lower(lowering_platforms=("cuda",))
+except (ImportError, NotImplementedError) as exc:
+    print("SKIP", exc)
+builtins.__import__ = real_import
+print("TRIED", len(tried))
+"""
+
+
+@pytest.mark.skipif(has_cuda_device(), reason="abstract CUDA lowering is for machines without a GPU")
+def test_triton_lowering_imports_nothing_per_op():
+    """A fresh process lowering a kernel for CUDA looks for the Triton dialect's Python module
+    once, not for every op it builds (`pallas_kernels._common`: MLIR's bindings retried three
+    failing imports per Triton op, about half of a bench step's lowering time; this kernel
+    alone tried 141 of them)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-c", LOWER_AND_COUNT], capture_output=True, text=True, timeout=300,
+                          cwd=root, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    if "SKIP" in proc.stdout:
+        pytest.skip(proc.stdout)
+    assert int(proc.stdout.split("TRIED")[1]) <= 1, proc.stdout
