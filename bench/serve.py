@@ -16,8 +16,9 @@ per phase, on a GPU. One run, sections chosen with --sections:
   ms/step is per generated token step (decode wall time / the tokens a row generated after
   its first), so K=1 and K>1 compare; the dispatches are counted apart. Against the HBM
   roofline of a decode step at that context (bytes that must move / measured copy
-  bandwidth: on a GPU the copy kernel's time from a profile; bench/decode_runs.py). Median of `--decode-reps` timed runs on one engine,
-  with their range: B = 1 totals of one tree moved by up to 0.17 ms between device runs.
+  bandwidth: on a GPU the copy kernel's time from a profile; bench/decode_runs.py). Median
+  of `--decode-reps` timed runs on one engine, with their range: B = 1 totals of one tree
+  moved by up to 0.17 ms between device runs.
 * prefill: issue 17's target, prefill >= 40 % of the bf16 peak (--peak-tflops) at 8 x 1k and
   1 x 8k (`--prefill-cases 8x1024,1x8192`; smoke: 2x32,1x128) in the engine loop: one engine
   per case with the whole case in one extend step where the config allows (chunk_size = L,

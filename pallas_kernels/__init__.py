@@ -23,15 +23,16 @@ has the reference's signature (`interpret` is bound):
         then picks its own jnp implementation)
     moe_experts_many(x, idx, weight, w13, w2) -> y, the same for many tokens, or None
     grouped_matvec(x, idx, w) -> y [m, F] fp32, y[i] = x[i] @ w[idx[i]]: the shared experts of
-        a few tokens (layers.shared_experts' matvec), or None
+        a few tokens (layers.shared_experts' matvec) and a lone token's attention projections
+        (layers.matmul's matvec), or None
     attention(q, k, v, rel, q_pos, k_pos, k_valid, *, window) -> out, or None (the model's
         attention_core materialises the scores then)
     ring_attention(q, rel, k_new, v_new, q_pos, q_valid, arena, ring_unit_row, seq_start,
         has_state, *, ring, window) -> out, or None (the step gathers the ring then)
-    router_epilogue(logits, bias, scale, *, k, route_scale, num_experts) -> (idx, w, gamma):
-        layers.route after its matmul, or None (route's jnp then)
     paged_attention(q, rel, k_new, v_new, q_pos, q_valid, arena, page_unit_row, seq_start, *,
         page_size, window) -> out, or None (the step gathers the pages then)
+    router_epilogue(logits, bias, scale, *, k, route_scale, num_experts) -> (idx, w, gamma):
+        layers.route after its matmul, or None (route's jnp then)
 
 `use_pallas`: False -> the jnp references; True -> the Pallas kernels; "auto" -> Pallas when
 `jax.default_backend() == "gpu"`, the references otherwise. `interpret=True` runs the Pallas
