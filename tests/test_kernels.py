@@ -571,7 +571,7 @@ def test_engine_with_pallas_kernels_matches_jnp(trunk_params, monkeypatch):
     assert len(traced["attention"]) == 2 and traced["attention"][0][1] >= 32  # traced once per window kind
     assert None in traced["in_place"] and any(r is not None for r in traced["in_place"])  # paged and ring kernels
     assert (TRUNK.n_shared_experts, TRUNK.hidden_size) in traced["shared"]  # one token's shared experts
-    assert (1, TRUNK.hidden_size) in traced["shared"]  # one token's attention projections (lone_row_matvec)
+    assert (1, TRUNK.hidden_size) in traced["shared"]  # one token's attention projections
     width = TRUNK.n_routed_experts + TRUNK.n_shared_experts
     assert (1, width) in traced["router"] and any(n > 1 for n, _ in traced["router"])  # decode and prefill
     assert out[True][0] == out[False][0]

@@ -284,7 +284,7 @@ def attention_block(p: Params, cfg: InklingConfig, geom: AttentionGeometry, x: A
     """Projections, k/v short convs, q/k RMSNorm, attention through ctx, output projection."""
     lead = x.shape[:-1]
     # one token (batch-1 decode): the projections through the context's mat-vec kernel
-    matvec = getattr(ctx, "lone_row_matvec", None)
+    matvec = getattr(ctx, "few_token_matvec", None)
     q, kv, r = split_qkvr(p, x, geom, cfg, matvec)
     # k and v convs are depthwise and adjacent in the conv state: one call over both
     kv = ctx.conv("kv", kv, kv_conv_weight(p))

@@ -76,9 +76,8 @@ class StepContext:
         self.page_layer: int | None = None
         self.few_token_experts = ops.moe_experts  # read by layers.decoder_layer
         self.many_token_experts = ops.moe_experts_many
-        self.few_token_matvec = ops.grouped_matvec
+        self.few_token_matvec = ops.grouped_matvec  # also a lone token's projections (layers.attention_block)
         self.router_epilogue = ops.router_epilogue
-        self.lone_row_matvec = ops.grouped_matvec  # read by layers.attention_block
 
     def bind(self, fields: LayerSlotFields, page_layer: int | None) -> "StepContext":
         self.fields, self.page_layer = fields, page_layer
