@@ -7,6 +7,7 @@ quietly bring them back:
   gather (and no concatenate) under the `attention` / `attend` scopes outside the K/V writes;
 * the k / v conv taps are joined once per dispatch, before the loop (`layers.with_kv_conv`);
 * the router's epilogue is one kernel per MoE layer (no `top_k` left);
+* the sliding rings are checkpointed by one conditional per step, not one per layer;
 * batch 1: the attention projections of the lone token go through the grouped mat-vec kernel.
 """
 
@@ -65,6 +66,9 @@ def test_decode_loop_body(batch):
     regathered = [op for op in body if op[0] in ("gather", "concatenate") and attention_scope(op[2])]
     assert regathered == []
     assert not [op for op in body if op[0] == "top_k"]
+    # the ring checkpoints: one conditional per step, none per sliding layer
+    conds = [op[2].rsplit("/", 1)[-1] for op in body if op[0] == "cond" and op[2]]
+    assert conds.count("write_ring_checkpoints") == 1 and "write_ring" not in conds, conds
     moe_layers = cfg.num_layers - len(cfg.dense_layer_ids)
     kernels = [op[1] for op in body if op[1] is not None]
     assert kernels.count("moe_router_epilogue") == moe_layers

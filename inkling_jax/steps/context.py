@@ -57,7 +57,8 @@ class StepContext:
     pass, `steps.batch.pack_batch`): the attention then takes its per-row [B, 1, ...] views
     by reshapes instead of gathers through `row_tokens` (one launch each on the GPU, five per
     layer). Padded rows read their own padding token instead of token 0: no valid query or
-    key either way."""
+    key either way. Its sliding rings are checkpointed once per step, after the last layer
+    (`write_ring_checkpoints`), not by a conditional in every sliding layer."""
 
     def __init__(self, cfg: InklingConfig, layout: ArenaLayout, ops: Any, arena: Array, meta: RowMeta,
                  physical_pages: Array, deferred: bool = False, parallel: Any = None,
@@ -65,6 +66,7 @@ class StepContext:
         self.cfg, self.layout, self.ops = cfg, layout, ops
         self.parallel = parallel
         self.one_token_per_row = one_token_per_row
+        self.ring_checkpoint_fields: list = []  # one_token_per_row: rings to checkpoint at the end
         self.arena = arena
         self.meta = meta
         self.physical_pages = physical_pages  # [B, P]
@@ -157,7 +159,10 @@ class StepContext:
             f = self.fields.ring
             kv = jnp.stack([k, v], axis=1)
             # the writes take `out` (see set_rows): they wait for the reads of the old state
-            write = lambda arena, m: self._write_ring(arena, m, f, old_ring, kv, out)
+            checkpoints = not (self.one_token_per_row and not self.deferred)
+            if not checkpoints:
+                self.ring_checkpoint_fields.append(f)
+            write = lambda arena, m: self._write_ring(arena, m, f, old_ring, kv, out, checkpoints)
             if self.deferred:
                 self.pending.append(write)
             else:
@@ -207,10 +212,34 @@ class StepContext:
         valid = meta.rows.has_state[:, None] & (pos >= 0)
         return ring[:, :, 0], ring[:, :, 1], pos, valid, ring
 
+    @jax.named_scope("write_ring_checkpoints")
+    def write_ring_checkpoints(self) -> None:
+        """One token per row: checkpoint ring m of a tracking row (track_len[:, m] = 1, the
+        step's one token) is its active ring after this step's write, so every sliding
+        layer's checkpoints are copies of active ring fields, made here once after the last
+        layer: one conditional per step (most steps checkpoint no row) instead of one per
+        sliding layer. Rows not tracking write the sink, as the per-layer writes do (the same
+        XLA reads and writes as there: what a command buffer captures with its conditional)."""
+        fields, self.ring_checkpoint_fields = self.ring_checkpoint_fields, []
+        if not fields:
+            return
+        lay, meta = self.layout, self.meta
+
+        def copy(arena):
+            for f in fields:
+                active = read_slot_field(arena, lay, meta.physical_slot, f)
+                for m in range(meta.physical_track_slot.shape[1]):
+                    arena = write_slot_field(arena, lay, meta.physical_track_slot[:, m], f, active)
+            return arena
+
+        self.arena = jax.lax.cond(jnp.any(meta.physical_track_slot > 0), copy, lambda a: a, self.arena)
+
     @jax.named_scope("write_ring")
-    def _write_ring(self, arena: Array, meta: RowMeta, f, old_ring: Array | None, kv: Array, after: Array) -> Array:
+    def _write_ring(self, arena: Array, meta: RowMeta, f, old_ring: Array | None, kv: Array, after: Array,
+                    checkpoints: bool = True) -> Array:
         """Active ring: the first commit_len new tokens written into their rows (the last R
-        of them); checkpoint ring m: the old ring with the first track_len[:, m] tokens written.
+        of them); checkpoint ring m: the old ring with the first track_len[:, m] tokens written
+        (`checkpoints=False`: left to `write_ring_checkpoints`).
 
         old_ring: the rings as the attention read them, or None (the attention read them in
         place): they are then read here, where needed, from `arena` before the active write.
@@ -236,9 +265,10 @@ class StepContext:
         # most steps checkpoint no row: skip the whole-ring copy then. The checkpoints go first
         # (they read the old active ring); the predicate takes `after` so that the conditional,
         # which writes the arena in place, waits for the attention's reads (`never` is False)
-        x = after.reshape(-1)[0]
-        never = jnp.isnan(x) & jnp.isinf(x)
-        arena = jax.lax.cond(jnp.any(meta.physical_track_slot > 0) | never, checkpoint, lambda a: a, arena)
+        if checkpoints:
+            x = after.reshape(-1)[0]
+            never = jnp.isnan(x) & jnp.isinf(x)
+            arena = jax.lax.cond(jnp.any(meta.physical_track_slot > 0) | never, checkpoint, lambda a: a, arena)
 
         n = rows.commit_len[row]
         keep = (off < n) & (off >= n - r)

@@ -170,6 +170,7 @@ def single_step(params: Params, state: ServingState, batch: StepBatch, *, cfg: I
     ctx = StepContext(cfg, layout, ops, arena, meta, ids.physical_pages, deferred=verify, parallel=parallel,
                       one_token_per_row=shape.mode == "decode")
     h = run_layers(params, cfg, layout, ctx, L.embed(params, cfg, batch.tokens, params["unembed"].dtype, parallel))
+    ctx.write_ring_checkpoints()
 
     if verify:
         row_tokens = meta.rows.row_tokens
