@@ -141,11 +141,9 @@ def test_fallbacks_and_defaults():
         router.router_epilogue(jnp.zeros((3, 10)), None, None, k=2, route_scale=8.0)  # E unknown
     with pytest.raises(ValueError):
         router.router_epilogue(jnp.zeros((3, 10)), None, None, **kw, block_rows=3, interpret=INTERPRET)
-    assert router.default_block_rows(4, 34) == 4
-    assert router.default_block_rows(4096, 34) == 16
-    assert router.default_block_rows(4096, 10) == 16
-    assert router.default_block_rows(4096, 258) == 2
-    assert router.default_num_warps(16, 34) == 2 and router.default_num_warps(4, 34) == 1
+    # one row per program (bench/router_micro.py on the H200: 16-row tiles were 5x slower)
+    assert {router.default_block_rows(n, w) for n in (1, 4, 4096) for w in (10, 34, 258)} == {1}
+    assert [router.default_num_warps(1, w) for w in (34, 258, 1000, 3000)] == [1, 1, 2, 4]
 
 
 @pytest.mark.skipif(has_cuda_device(), reason="abstract CUDA lowering is for machines without a GPU")
