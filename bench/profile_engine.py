@@ -78,13 +78,17 @@ def main(argv=None) -> None:
         return
     busy = sum(e.duration_ns for e in events) / 1e6
     gaps, spans, start, end = [], [], events[0].start_ns, events[0].start_ns + events[0].duration_ns
+    last = events[0]  # the kernel that ended last so far
+    around = collections.defaultdict(list)  # (kernel before, kernel after) -> gap ms
     for e in events[1:]:
         gap = e.start_ns - end
         if gap > args.gap_us * 1e3:
             gaps.append(gap / 1e6)
             spans.append((end - start) / 1e6)
+            around[(last.label, e.label)].append(gap / 1e6)
             start = e.start_ns
-        end = max(end, e.start_ns + e.duration_ns)
+        if e.start_ns + e.duration_ns >= end:
+            end, last = e.start_ns + e.duration_ns, e
     spans.append((end - start) / 1e6)
     print(f"device busy {busy:.1f} ms = {busy / max(tokens, 1):.3f} ms per token step ({100 * busy / (wall * 1e3):.0f} % "
           f"of the wall); {len(events)} kernels = {len(events) / max(tokens, 1):.0f} per token step")
@@ -92,6 +96,10 @@ def main(argv=None) -> None:
         print(f"gaps > {args.gap_us:.0f} us: {len(gaps)} ({len(gaps) / len(step_ms):.1f} per dispatch), total "
               f"{sum(gaps):.1f} ms = {sum(gaps) / max(tokens, 1):.3f} ms per token step, median {statistics.median(gaps):.3f}"
               f" ms, max {max(gaps):.3f} ms")
+    if around:  # what the device waited between: the host's work, a sync, a transfer
+        print("gaps by the kernels around them (count, total ms, median ms: before -> after):")
+        for (before, after), gs in sorted(around.items(), key=lambda kv: -sum(kv[1]))[:12]:
+            print(f"  {len(gs):4d} {sum(gs):8.2f} {statistics.median(gs):7.3f}  {before[:70]} -> {after[:70]}")
     print(f"device spans between gaps: median {statistics.median(spans):.3f} ms, "
           f"{len(spans)} spans; per token step inside spans {sum(spans) / max(tokens, 1):.3f} ms")
     print_breakdown(events, max(tokens, 1), args.top)
