@@ -5,15 +5,20 @@ device waits for), from a jax profiler trace.
     python bench/profile_engine.py [--batch 1] [--decode-steps 8] [--new 64] [--smoke]
 
 Bench model, bf16, 1000-token prompts, the engine config of bench/serve.py's decode section.
-After a warm-up generate and the prefill (not traced), the decode steps run under the
-profiler. Prints: wall ms per token step, device busy ms per token step (sum of kernel
-times), the gaps between kernels longer than --gap-us (count per dispatch, total, median),
-and the device span of a dispatch (kernels between two such gaps)."""
+After a warm-up generate, the same decode runs twice (each after its prefill, which is not
+timed): once plainly, then under the profiler. Prints: the unprofiled ms per token step; the
+profiled wall ms per token step, device busy ms per token step (sum of kernel times), the gaps
+between kernels longer than --gap-us (count per dispatch, total, median, and grouped by the
+kernels around them), and the device span of a dispatch (kernels between two such gaps).
+Under the profiler XLA runs command buffers op by op (the host launches every kernel) unless
+XLA_FLAGS has --xla_enable_command_buffers_during_profiling=true, so the profiled wall and
+gaps overstate the host's share; the kernel times and launch counts are the point."""
 
 from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import os
 import statistics
 import sys
@@ -54,20 +59,13 @@ def main(argv=None) -> None:
     prompts = [list(rng.randint(3, cfg.unpadded_vocab_size, args.prompt_len)) for _ in range(args.batch)]
     sp = ik.SamplingParams(max_new_tokens=args.new, stop_at_eos=False)
     warm(engine, prompts, sp)
-    reqs = engine.submit(prompts, sp)
-    while any(not r.out_tokens for r in reqs):  # the prefill, not traced
-        engine.step()
-    first = sum(len(r.out_tokens) for r in reqs)
+    plain_ms, _, _ = decode_run(engine, prompts, sp, None)
+    engine.evict_all()
     tdir = tempfile.mkdtemp(prefix="engine_trace_")
-    step_ms = []
-    with jax.profiler.trace(tdir):
-        t0 = time.perf_counter()
-        while engine.running:
-            s = time.perf_counter()
-            engine.step()
-            step_ms.append(1e3 * (time.perf_counter() - s))
-        wall = time.perf_counter() - t0
-    tokens = (sum(len(r.out_tokens) for r in reqs) - first) // args.batch  # token steps per row
+    traced_ms, step_ms, tokens = decode_run(engine, prompts, sp, tdir)
+    wall = traced_ms * tokens / 1e3
+    print(f"unprofiled: {plain_ms:.3f} ms per token step (the same decode without the profiler, which runs XLA's "
+          f"command buffers op by op: see bench/README.md)")
     events = sorted(device_events(tdir), key=lambda e: e.start_ns)
     print(f"{jax.devices()[0].device_kind}, B={args.batch}, K={args.decode_steps}, overlap={engine.runner.overlap}: "
           f"{len(step_ms)} dispatches, "
@@ -109,6 +107,26 @@ def main(argv=None) -> None:
         with open(args.hlo_out, "w") as f:
             for fn in runner._COMPILED.values():
                 f.write(fn.as_text() + "\n")
+
+
+def decode_run(engine, prompts, sp, trace_dir: str | None) -> tuple[float, list[float], int]:
+    """Submit the prompts, run their prefill (untimed), then time the decode steps, under the
+    profiler when trace_dir is given: (ms per token step, each step() call's ms, token steps
+    per row)."""
+    reqs = engine.submit(prompts, sp)
+    while any(not r.out_tokens for r in reqs):
+        engine.step()
+    first = sum(len(r.out_tokens) for r in reqs)
+    step_ms = []
+    with jax.profiler.trace(trace_dir) if trace_dir else contextlib.nullcontext():
+        t0 = time.perf_counter()
+        while engine.running:
+            s = time.perf_counter()
+            engine.step()
+            step_ms.append(1e3 * (time.perf_counter() - s))
+        wall = time.perf_counter() - t0
+    tokens = (sum(len(r.out_tokens) for r in reqs) - first) // len(reqs)  # token steps per row
+    return wall * 1e3 / max(tokens, 1), step_ms, tokens
 
 
 def print_breakdown(events, tokens: int, top: int) -> None:
