@@ -19,7 +19,8 @@ from inkling_jax.steps import check_batch, pack_batch
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench"
-SCRIPTS = ("decode", "kernels", "profile_decode", "gpu_check", "moe_micro", "serve", "ab_decode")
+SCRIPTS = ("decode", "kernels", "profile_decode", "profile_engine", "gpu_check", "moe_micro", "router_micro", "serve",
+           "ab_decode")
 HELPERS = ("common", "decode_setup", "decode_runs", "kernel_timing", "kernel_cases", "serve_loop", "serve_fresh")
 
 
