@@ -4,7 +4,9 @@ Runs of one tree on different GPU machines moved by up to 0.17 ms per batch-1 to
 change is judged only against its base measured in the same call, one tree after the other,
 alternated for several rounds (BENCHMARKS.md's side-by-side tables were made this way).
 
-    # here (git): each base revision as a plain tree under ab/ (keep ab/ git-ignored)
+    # here (git): each base revision as a plain tree under ab/ (keep ab/ git-ignored); files
+    # over 1 MiB identical to the working tree's (the shipped model) become links to it, so
+    # about six trees fit in a device call's 64 MiB carry
     python bench/ab_decode.py prepare base=db548be
     # on the GPU (carry ab/): every tree's bench/serve.py decode section, alternated
     python bench/ab_decode.py run base=ab/base new=. --rounds 2 --batches 1,32 --out ab.md
@@ -21,6 +23,7 @@ path the table names; a run that fails shows its last error line in the table.
 from __future__ import annotations
 
 import argparse
+import filecmp
 import os
 import re
 import subprocess
@@ -70,6 +73,29 @@ def parse_trees(specs: list[str]) -> list[tuple[str, str]]:
     return trees
 
 
+def share_large_files(tree: str, repo: str = REPO, min_bytes: int = 1 << 20) -> list[str]:
+    """Replace each file of `tree` of at least `min_bytes` that is byte-identical to the same path
+    in `repo` by a relative symlink to it; returns the paths shared.
+
+    The device call carries at most 64 MiB; each tree is ~17 MB, ~15 of it the shipped model
+    (which the decode benchmark does not read: it times the bench preset's random weights), so
+    without sharing only two archived trees fit beside the working tree. Where a carry drops the
+    links, the decode benchmark still runs."""
+    shared = []
+    for root, _, files in os.walk(tree):
+        for fname in files:
+            path = os.path.join(root, fname)
+            rel = os.path.relpath(path, tree)
+            twin = os.path.join(repo, rel)
+            if (os.path.islink(path) or os.path.getsize(path) < min_bytes or not os.path.isfile(twin)
+                    or os.path.getsize(twin) != os.path.getsize(path) or not filecmp.cmp(path, twin, shallow=False)):
+                continue
+            os.remove(path)
+            os.symlink(os.path.relpath(twin, root), path)
+            shared.append(rel)
+    return sorted(shared)
+
+
 def prepare(args) -> None:
     for name, rev in parse_trees(args.trees):
         dest = os.path.join(args.dir, name)
@@ -78,7 +104,9 @@ def prepare(args) -> None:
         os.makedirs(dest)
         archive = subprocess.run(["git", "-C", REPO, "archive", rev], capture_output=True, check=True).stdout
         subprocess.run(["tar", "-x", "-C", dest], input=archive, check=True)
-        print(f"{name}: {rev} -> {dest}")
+        shared = share_large_files(dest) if args.share_large else []
+        print(f"{name}: {rev} -> {dest}" + (f" (linked to the working tree's copy: {', '.join(shared)})"
+                                            if shared else ""))
 
 
 def run_tree(path: str, args, out_md: str, log: str) -> str:
@@ -145,6 +173,8 @@ def main(argv=None) -> None:
     pp = sub.add_parser("prepare", help="git archive each NAME=REV into DIR/NAME")
     pp.add_argument("trees", nargs="+")
     pp.add_argument("--dir", default=os.path.join(REPO, "ab"))
+    pp.add_argument("--no-share-large", dest="share_large", action="store_false",
+                    help="keep full copies of files over 1 MiB identical to the working tree's (see share_large_files)")
     pr = sub.add_parser("run", help="serve.py's decode section in each NAME=PATH tree, alternated")
     pr.add_argument("trees", nargs="+")
     pr.add_argument("--rounds", type=int, default=2)

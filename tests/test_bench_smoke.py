@@ -170,3 +170,28 @@ def test_ab_decode_reads_serve_tables():
     assert ab_decode.parse_trees(["base=ab/base", "new=."]) == [("base", "ab/base"), ("new", ".")]
     with pytest.raises(SystemExit):
         ab_decode.parse_trees(["base=x", "base=y"])
+
+
+def test_ab_decode_links_large_identical_files(tmp_path):
+    """prepare's share_large_files: a large file identical to the working tree's becomes a relative
+    link to it; a different one, a small one and a file the working tree lacks stay copies."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        import ab_decode
+    finally:
+        sys.path.remove(str(BENCH))
+        sys.modules.pop("ab_decode", None)
+    repo, tree = tmp_path / "repo", tmp_path / "repo" / "ab" / "t"
+    big = bytes(range(256)) * 8
+    for root in (repo, tree):
+        (root / "models").mkdir(parents=True)
+        (root / "models" / "same.bin").write_bytes(big)
+        (root / "small.txt").write_text("x")
+    (repo / "models" / "other.bin").write_bytes(big)
+    (tree / "models" / "other.bin").write_bytes(big[::-1])
+    (tree / "models" / "only_here.bin").write_bytes(big)
+    assert ab_decode.share_large_files(str(tree), str(repo), min_bytes=1024) == ["models/same.bin"]
+    link = tree / "models" / "same.bin"
+    assert link.is_symlink() and not os.path.isabs(os.readlink(link)) and link.read_bytes() == big
+    assert not any(p.is_symlink() for p in [tree / "small.txt", tree / "models" / "other.bin",
+                                            tree / "models" / "only_here.bin"])
