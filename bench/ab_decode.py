@@ -16,7 +16,9 @@ alternated for several rounds (BENCHMARKS.md's side-by-side tables were made thi
 kernels; a fresh process per run) and writes one table: decode ms per token step per tree,
 batch and round (the median of the run's R timed repeats, with their range), and each tree's
 ratio to the first tree in the same round. The per-run logs go to a temporary directory whose
-path the table names; a run that fails shows its last error line in the table.
+path the table names; a run that fails shows its last error line in the table. With
+`--cache-dir DIR` each tree compiles into its own persistent cache DIR/NAME, so only the first
+round pays the compiles (about half of a run's time otherwise).
 `--smoke` passes `--smoke` on (CPU, tiny model).
 """
 
@@ -109,10 +111,12 @@ def prepare(args) -> None:
                                             if shared else ""))
 
 
-def run_tree(path: str, args, out_md: str, log: str) -> str:
+def run_tree(path: str, args, out_md: str, log: str, name: str = "tree") -> str:
     """One serve.py decode run inside the tree at `path`; returns '' or its last error line."""
+    # a persistent compilation cache per tree (--cache-dir): later rounds skip the compiles
+    cache = os.path.join(os.path.abspath(args.cache_dir), name) if args.cache_dir else ""
     cmd = [sys.executable, "bench/serve.py", "--sections", "decode", "--decode-batches", args.batches,
-           "--decode-steps", args.steps, "--decode-reps", str(args.reps), "--cache-dir", "", "--out", out_md]
+           "--decode-steps", args.steps, "--decode-reps", str(args.reps), "--cache-dir", cache, "--out", out_md]
     if args.smoke:
         cmd.append("--smoke")
     with open(log, "w") as f:
@@ -133,7 +137,7 @@ def run(args) -> None:
         for name, path in trees:
             md, log = (os.path.join(logs, f"{name}.{rnd}.{ext}") for ext in ("md", "log"))
             print(f"round {rnd}: {name} ({path})", flush=True)
-            err = run_tree(path, args, md, log)
+            err = run_tree(path, args, md, log, name)
             results[(name, rnd)] = parse_decode_table(open(md).read()) if not err else {}
             errors[(name, rnd)] = err
     keys = sorted({k for r in results.values() for k in r})
@@ -183,6 +187,9 @@ def main(argv=None) -> None:
     pr.add_argument("--reps", type=int, default=3)
     pr.add_argument("--out", default="")
     pr.add_argument("--smoke", action="store_true")
+    pr.add_argument("--cache-dir", default="",
+                    help="a persistent compilation cache under DIR/<tree>, so rounds after the first compile nothing "
+                         "(default: none, every run compiles)")
     args = p.parse_args(argv)
     prepare(args) if args.command == "prepare" else run(args)
 
