@@ -18,7 +18,7 @@ batch and round (the median of the run's R timed repeats, with their range), and
 ratio to the first tree in the same round. The per-run logs go to a temporary directory whose
 path the table names; a run that fails shows its last error line in the table. With
 `--cache-dir DIR` each tree compiles into its own persistent cache DIR/NAME, so only the first
-round pays the compiles (about half of a run's time otherwise).
+round pays the compiles.
 `--smoke` passes `--smoke` on (CPU, tiny model).
 """
 
@@ -81,8 +81,9 @@ def share_large_files(tree: str, repo: str = REPO, min_bytes: int = 1 << 20) -> 
 
     The device call carries at most 64 MiB; each tree is ~17 MB, ~15 of it the shipped model
     (which the decode benchmark does not read: it times the bench preset's random weights), so
-    without sharing only two archived trees fit beside the working tree. Where a carry drops the
-    links, the decode benchmark still runs."""
+    without sharing only two archived trees fit beside the working tree. A link travels as a
+    link (the device tool's README); relative and pointing inside the checkout, it resolves
+    there too."""
     shared = []
     for root, _, files in os.walk(tree):
         for fname in files:

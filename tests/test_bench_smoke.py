@@ -146,15 +146,21 @@ def test_serve_fresh_process_sections(tmp_path):
     assert "failed: Unknown flag in XLA_FLAGS" in bad
 
 
-def test_ab_decode_reads_serve_tables():
-    """bench/ab_decode.py reads serve.py's decode table by its headers (a run of this session's
-    format: median with the range of the timed runs, and a cell without a range)."""
+def import_ab_decode():
+    """bench/ab_decode.py as a module (bench/ is not a package; the module is not left cached)."""
     sys.path.insert(0, str(BENCH))
     try:
         import ab_decode
     finally:
         sys.path.remove(str(BENCH))
         sys.modules.pop("ab_decode", None)
+    return ab_decode
+
+
+def test_ab_decode_reads_serve_tables():
+    """bench/ab_decode.py reads serve.py's decode table by its headers (a run of this session's
+    format: median with the range of the timed runs, and a cell without a range)."""
+    ab_decode = import_ab_decode()
     table = """## Decode
 
 | B | K | overlap | prefill tok/s | prefill steps | decode ms/step | decode tok/s | dispatches / token steps |
@@ -175,12 +181,7 @@ def test_ab_decode_reads_serve_tables():
 def test_ab_decode_links_large_identical_files(tmp_path):
     """prepare's share_large_files: a large file identical to the working tree's becomes a relative
     link to it; a different one, a small one and a file the working tree lacks stay copies."""
-    sys.path.insert(0, str(BENCH))
-    try:
-        import ab_decode
-    finally:
-        sys.path.remove(str(BENCH))
-        sys.modules.pop("ab_decode", None)
+    ab_decode = import_ab_decode()
     repo, tree = tmp_path / "repo", tmp_path / "repo" / "ab" / "t"
     big = bytes(range(256)) * 8
     for root in (repo, tree):
