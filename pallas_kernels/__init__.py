@@ -58,20 +58,20 @@ class ConvOps:
     conv_write: Callable
     copy_units: Callable
     clear_units: Callable
-    moe_experts: Callable | None  # few-token routed experts (layers.moe_mlp's few_token_experts)
-    moe_experts_many: Callable | None  # many-token routed experts (layers.moe_mlp's many_token_experts)
-    grouped_matvec: Callable | None  # y[i] = x[i] @ w[idx[i]] (layers.shared_experts' matvec, few tokens)
-    attention: Callable | None  # fused attention of many queries (steps.context.StepContext.attend)
-    ring_attention: Callable | None  # few queries against sliding rings read in place (decode / verify)
-    paged_attention: Callable | None  # few queries against full-attention pages read in place
-    router_epilogue: Callable | None  # the MoE router after its matmul (layers.route's epilogue)
-    pallas: bool  # True: the Pallas kernels
-    interpret: bool
+    moe_experts: Callable | None = None  # few-token routed experts (layers.moe_mlp's few_token_experts)
+    moe_experts_many: Callable | None = None  # many-token routed experts (layers.moe_mlp's many_token_experts)
+    grouped_matvec: Callable | None = None  # y[i] = x[i] @ w[idx[i]] (layers.shared_experts' matvec, few tokens)
+    attention: Callable | None = None  # fused attention of many queries (steps.context.StepContext.attend)
+    ring_attention: Callable | None = None  # few queries against sliding rings read in place (decode / verify)
+    paged_attention: Callable | None = None  # few queries against full-attention pages read in place
+    router_epilogue: Callable | None = None  # the MoE router after its matmul (layers.route's epilogue)
+    pallas: bool = False  # True: the Pallas kernels
+    interpret: bool = False
 
 
-REFERENCE_OPS = ConvOps(conv_state.ref.conv_update, conv_state.ref.conv_write, slot_ops.ref.copy_units,
-                        slot_ops.ref.clear_units, None, None, None, None, None, None, None, pallas=False,
-                        interpret=False)
+REFERENCE_OPS = ConvOps(conv_update=conv_state.ref.conv_update, conv_write=conv_state.ref.conv_write,
+                        copy_units=slot_ops.ref.copy_units, clear_units=slot_ops.ref.clear_units,
+                        pallas=False, interpret=False)
 
 
 def conv_ops(use_pallas: bool | str, interpret: bool = False) -> ConvOps:
@@ -101,18 +101,22 @@ def _pallas_ops(interpret: bool) -> ConvOps:
 
     conv = ("window_shape", "channels", "sink_rows", "block", "num_warps")
     units = ("num_units", "sink_rows")
-    return ConvOps(jitted(conv_state.pallas.conv_update, *conv, "tile"), jitted(conv_state.pallas.conv_write, *conv),
-                   jitted(slot_ops.pallas.copy_units, *units), jitted(slot_ops.pallas.clear_units, *units),
-                   jitted(moe.pallas.moe_experts, "tf", "bh", "splits", "num_warps", "target_programs"),
-                   jitted(moe.grouped.moe_experts_grouped, "bm", "bn", "bk", "num_warps", "num_stages"),
-                   jitted(moe.pallas.grouped_matvec, "tf", "bh", "splits", "num_warps", "target_programs"),
-                   jitted(attention.pallas.attention, "window", "bq", "bk", "num_warps", "num_stages"),
-                   jitted(attention.decode.ring_attention, "ring", "window", "num_splits", "bk", "num_warps",
-                          "num_stages"),
-                   jitted(attention.decode.paged_attention, "page_size", "window", "num_splits", "num_warps",
-                          "num_stages"),
-                   jitted(moe.router.router_epilogue, "k", "route_scale", "num_experts", "block_rows", "num_warps"),
-                   pallas=True, interpret=interpret)
+    return ConvOps(
+        conv_update=jitted(conv_state.pallas.conv_update, *conv, "tile"),
+        conv_write=jitted(conv_state.pallas.conv_write, *conv),
+        copy_units=jitted(slot_ops.pallas.copy_units, *units),
+        clear_units=jitted(slot_ops.pallas.clear_units, *units),
+        moe_experts=jitted(moe.pallas.moe_experts, "tf", "bh", "splits", "num_warps", "target_programs"),
+        moe_experts_many=jitted(moe.grouped.moe_experts_grouped, "bm", "bn", "bk", "num_warps", "num_stages"),
+        grouped_matvec=jitted(moe.pallas.grouped_matvec, "tf", "bh", "splits", "num_warps", "target_programs"),
+        attention=jitted(attention.pallas.attention, "window", "bq", "bk", "num_warps", "num_stages"),
+        ring_attention=jitted(attention.decode.ring_attention, "ring", "window", "num_splits", "bk", "num_warps",
+                              "num_stages"),
+        paged_attention=jitted(attention.decode.paged_attention, "page_size", "window", "num_splits", "num_warps",
+                               "num_stages"),
+        router_epilogue=jitted(moe.router.router_epilogue, "k", "route_scale", "num_experts", "block_rows",
+                               "num_warps"),
+        pallas=True, interpret=interpret)
 
 
 __all__ = ["ConvOps", "REFERENCE_OPS", "attention", "conv_ops", "conv_state", "moe", "slot_ops"]
