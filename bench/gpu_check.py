@@ -1,11 +1,17 @@
 """GPU acceptance check: the engine's greedy outputs with use_pallas=True equal those with
 use_pallas=False (same weights, same prompts), for the small preset in float32 and bfloat16.
 
-    python bench/gpu_check.py
+    python bench/gpu_check.py [--outputs-out F.json]
+
+`--outputs-out`: every engine's tokens and log-probs as JSON, to compare two processes bit for
+bit (e.g. XLA flag variants that must not change a result: command-buffer scheduling modes,
+`XLA_FLAGS=--xla_gpu_command_buffer_scheduling_mode=SERIALIZE python bench/gpu_check.py ...`).
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import sys
 import time
@@ -19,12 +25,16 @@ import numpy as np  # noqa: E402
 import inkling_jax as ik  # noqa: E402
 
 
-def main() -> int:
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--outputs-out", default="", help="write tokens and log-probs of every engine run (JSON)")
+    args = ap.parse_args(argv)
     # float32 matmuls are TF32 on Hopper by default: ~1e-3 noise flips the near-ties of a random
     # model; the check wants true float32
     jax.config.update("jax_default_matmul_precision", "highest")
     print(f"jax {jax.__version__}, backend {jax.default_backend()}, devices {jax.devices()}, matmul precision highest")
     ok = True
+    dump = {}
     rng = np.random.RandomState(0)
     for name, dtype in (("small", jnp.float32), ("small", jnp.bfloat16)):
         cfg = getattr(ik.InklingConfig, name)().replace(num_mtp_layers=0, mtp_local_layer_ids=())
@@ -43,6 +53,8 @@ def main() -> int:
             eng.check_invariants()
             dt = time.perf_counter() - t0
             outs[pallas] = (first, second)
+            dump[f"{name}/{jnp.dtype(dtype).name}/pallas={pallas}"] = [
+                [([int(t) for t in r.tokens], [float(x) for x in r.logprobs]) for r in run] for run in (first, second)]
             st = eng.stats()
             print(f"{name} {jnp.dtype(dtype).name} pallas={pallas}: {dt:.1f}s, compiles {st['compiles']}, "
                   f"cache_hit_tokens {st['cache_hit_tokens']}, moves {st['compaction_moves']}")
@@ -53,6 +65,9 @@ def main() -> int:
         print(f"  greedy tokens pallas == jnp: {same}; max |logprob diff| {lp:.2e}; "
               f"second run (prefix hits) == first: jnp {hits[False]}, pallas {hits[True]}")
         ok &= same or dtype != jnp.float32  # bf16: reported, not required (rounding flips near-ties)
+    if args.outputs_out:
+        with open(args.outputs_out, "w") as f:
+            json.dump(dump, f)
     print("GPU CHECK", "PASS" if ok else "FAIL")
     return 0 if ok else 1
 

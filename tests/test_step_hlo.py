@@ -49,3 +49,17 @@ def test_no_arena_copy(shape):
     step = compile_step(cfg, layout, shape, use_pallas=False)
     hlo = step.lower(params, state, StepBatch.empty(shape)).compile().as_text()
     assert arena_copies(hlo, num_units) == []
+
+
+def test_gpu_step_options_yield_to_xla_flags(monkeypatch):
+    """The steps compile CONCURRENT command buffers on a GPU unless the user's XLA_FLAGS set the
+    scheduling mode themselves (a per-compile option would silently override their flag)."""
+    from inkling_jax.steps import program
+
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
+    assert program.gpu_step_options() == program.GPU_STEP_OPTIONS
+    assert program.GPU_STEP_OPTIONS["xla_gpu_command_buffer_scheduling_mode"] == "CONCURRENT"
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_command_buffer_scheduling_mode=SERIALIZE")
+    options = program.gpu_step_options()
+    assert "xla_gpu_command_buffer_scheduling_mode" not in options
+    assert options["xla_gpu_enable_cub_radix_sort"] is False
