@@ -40,7 +40,13 @@ def parse_decode_table(markdown: str) -> dict[tuple[int, int], tuple[float, floa
     """{(B, K): (median, low, high)} decode ms per token step from serve.py's decode table
     (columns found by their headers "B", "K" and "decode ms/step"; a cell without a range
     reads as a range of one value)."""
-    out: dict[tuple[int, int], tuple[float, float, float]] = {}
+    return {key: cells[0] for key, cells in parse_decode_rows(markdown).items()}
+
+
+def parse_decode_rows(markdown: str) -> dict[tuple[int, int], tuple[tuple[float, float, float], str]]:
+    """{(B, K): ((median, low, high), outputs digest or "")}: `parse_decode_table` plus the
+    "outputs" column where the table has one."""
+    out: dict[tuple[int, int], tuple[tuple[float, float, float], str]] = {}
     header: list[str] | None = None
     for line in markdown.splitlines():
         if not line.startswith("|"):
@@ -58,7 +64,7 @@ def parse_decode_table(markdown: str) -> dict[tuple[int, int], tuple[float, floa
             continue
         med = float(m.group(1))
         lo, hi = (float(m.group(2)), float(m.group(3))) if m.group(2) else (med, med)
-        out[(int(row["B"]), int(row["K"]))] = (med, lo, hi)
+        out[(int(row["B"]), int(row["K"]))] = ((med, lo, hi), row.get("outputs", ""))
     return out
 
 
@@ -139,30 +145,34 @@ def run(args) -> None:
             md, log = (os.path.join(logs, f"{name}.{rnd}.{ext}") for ext in ("md", "log"))
             print(f"round {rnd}: {name} ({path})", flush=True)
             err = run_tree(path, args, md, log, name)
-            results[(name, rnd)] = parse_decode_table(open(md).read()) if not err else {}
+            results[(name, rnd)] = parse_decode_rows(open(md).read()) if not err else {}
             errors[(name, rnd)] = err
     keys = sorted({k for r in results.values() for k in r})
     first = trees[0][0]
     rows = []
     for b, k in keys:
         for name, _ in trees:
-            cells, ratios = [], []
+            cells, ratios, digests = [], [], []
             for rnd in range(1, args.rounds + 1):
-                got = results[(name, rnd)].get((b, k))
-                if got is None:
+                row = results[(name, rnd)].get((b, k))
+                if row is None:
                     cells.append(errors[(name, rnd)] or "-")
                     continue
+                got, digest = row
+                digests.append(digest)
                 cells.append(f"{got[0]:.3f} ({got[1]:.3f}-{got[2]:.3f})")
                 base = results[(first, rnd)].get((b, k))
                 if base:
-                    ratios.append(f"{got[0] / base[0]:.3f}")
-            rows.append(f"| {name} | {b} | {k} | " + " | ".join(cells) + f" | {', '.join(ratios) or '-'} |")
+                    ratios.append(f"{got[0] / base[0][0]:.3f}")
+            outputs = " ".join(dict.fromkeys(d for d in digests if d)) or "-"
+            rows.append(f"| {name} | {b} | {k} | " + " | ".join(cells) + f" | {', '.join(ratios) or '-'} | {outputs} |")
     rounds = " | ".join(f"round {r}" for r in range(1, args.rounds + 1))
     text = "\n".join([
         f"Decode ms per token step, the trees run one after the other, {args.rounds} round(s) "
-        f"(median of {args.reps} timed runs, range); ratio: to {first} in the same round. Logs: {logs}", "",
-        f"| tree | B | K | {rounds} | vs {first} |",
-        "| --- | ---: | ---: | " + " | ".join("---:" for _ in range(args.rounds)) + " | --- |",
+        f"(median of {args.reps} timed runs, range); ratio: to {first} in the same round; outputs: serve.py's "
+        f"digest of the greedy tokens (one per round where they differ). Logs: {logs}", "",
+        f"| tree | B | K | {rounds} | vs {first} | outputs |",
+        "| --- | ---: | ---: | " + " | ".join("---:" for _ in range(args.rounds)) + " | --- | --- |",
         *rows]) + "\n"
     if not keys:
         text += "".join(f"\n{n} round {r}: {e}" for (n, r), e in errors.items() if e) + "\n"

@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import json
 import os
 import statistics
@@ -157,6 +158,12 @@ def section_prefix(args, cfg, params, report: Report) -> None:
                f" a hit computes the prefix's state in other chunks than a miss, so near-ties may flip)", "prefix")
 
 
+def outputs_digest(reqs) -> str:
+    """Ten hex digits of a sha1 over every request's generated tokens, in submission order."""
+    text = json.dumps([[int(t) for t in r.out_tokens] for r in reqs])
+    return hashlib.sha1(text.encode()).hexdigest()[:10]
+
+
 def section_decode(args, cfg, params, report: Report, bandwidth: float) -> dict:
     """Prefill and decode in the engine loop per batch size and K; {(B, K): decode ms/step}."""
     rng = np.random.RandomState(1)
@@ -180,6 +187,7 @@ def section_decode(args, cfg, params, report: Report, bandwidth: float) -> dict:
                     runs.append(phases(engine, prompts, sp))
                     engine.evict_all()
                 times = sorted(decode_ms_per_token(r) for r in runs)
+                digests = [outputs_digest(r["reqs"]) for r in runs]
                 ms = statistics.median(times)
                 ph = runs[0]
                 on = engine.runner.overlap
@@ -188,15 +196,18 @@ def section_decode(args, cfg, params, report: Report, bandwidth: float) -> dict:
                 rows.append([b, k, "on" if on else "off", f"{b * args.prompt_len / ph['prefill_s']:.0f}",
                              ph["prefill_steps"], f"{ms:.3f}{spread}", f"{b * 1e3 / ms:.0f}",
                              f"{ph['decode_dispatches']} / {ph['decode_tokens']}", f"{roof_ms:.3f}",
-                             f"{100 * roof_ms / ms:.0f} %", engine.stats()["compiles"]])
+                             f"{100 * roof_ms / ms:.0f} %", engine.stats()["compiles"],
+                             digests[0] if len(set(digests)) == 1 else "differ: " + " ".join(digests)])
                 log(f"decode B={b} K={k} overlap={on}: {rows[-1]}")
     report.add(f"### Engine loop: prefill and decode ({args.prompt_len}-token prompts, {args.new} new, bf16)\n\n"
                + table(["B", "K", "overlap", "prefill tok/s", "prefill steps", "decode ms/step", "decode tok/s",
-                        "dispatches / token steps", "roofline ms", "% of roofline", "compiles"], rows)
+                        "dispatches / token steps", "roofline ms", "% of roofline", "compiles", "outputs"], rows)
                + "\n\nK: decode steps per dispatch (EngineConfig.decode_steps). overlap: EngineConfig.overlap (the "
                "next decode dispatched before the last is read). ms/step: decode wall time / the "
                "tokens a row generated after its first token (per token step, whatever K), against the roofline of "
-               "one decode step; median (range) of the timed runs.", "decode")
+               "one decode step; median (range) of the timed runs. outputs: a digest of every request's "
+               "greedy tokens, equal in every timed run (else each run's: a race would show here); trees or "
+               "flags that must not change a result compare by it.", "decode")
     return per_batch
 
 

@@ -173,6 +173,10 @@ def test_ab_decode_reads_serve_tables():
 | 1 | 3.87 |
 """
     assert ab_decode.parse_decode_table(table) == {(1, 8): (1.560, 1.558, 1.561), (32, 8): (2.899, 2.899, 2.899)}
+    with_outputs = table.replace("token steps |\n", "token steps | outputs |\n").replace(
+        "| 16 / 127 |\n| 32", "| 16 / 127 | 0123abcdef |\n| 32")
+    rows = ab_decode.parse_decode_rows(with_outputs)
+    assert rows[(1, 8)] == ((1.560, 1.558, 1.561), "0123abcdef") and rows[(32, 8)][1] == ""
     assert ab_decode.parse_trees(["base=ab/base", "new=."]) == [("base", "ab/base"), ("new", ".")]
     with pytest.raises(SystemExit):
         ab_decode.parse_trees(["base=x", "base=y"])
