@@ -236,6 +236,25 @@ def test_fallbacks_are_the_reference():
     close(out, c.reference(None), rtol=1e-5, atol=1e-5)  # the same keys in pages of 16
 
 
+@pytest.mark.parametrize("splits", [2, 9])
+def test_combine_kernel_matches_jnp_combine(splits):
+    """The split merge as one kernel (`combine_splits_kernel`) against the jnp
+    `combine_splits`: fp32 within 1e-6 of the O(1) output scale (the sum order over splits
+    differs), bf16 equal after the cast; empty splits (m = -inf, l = 0) and a query no split
+    saw (zeros) included."""
+    rng = np.random.default_rng(splits)
+    b, nq, h = 2, 3, 4
+    acc = rand(rng, (b, splits, nq, h, HD))
+    m = rand(rng, (b, splits, nq, h)).at[0, 1].set(-jnp.inf).at[1, :, 0].set(-jnp.inf)
+    l = jnp.asarray(rng.random((b, splits, nq, h)) + 0.1, jnp.float32).at[0, 1].set(0.0).at[1, :, 0].set(0.0)
+    want = decode.combine_splits(acc, m, l)
+    assert float(jnp.abs(want[1, 0]).max()) == 0.0 and float(jnp.abs(want).max()) > 0.1
+    for dtype, tol in ((jnp.float32, 1e-6), (jnp.bfloat16, 0.0)):
+        got = jax.jit(partial(decode.combine_splits_kernel, out_dtype=dtype, interpret=INTERPRET))(acc, m, l)
+        assert got.shape == want.shape and got.dtype == dtype
+        close(got, want.astype(dtype), rtol=0, atol=tol)
+
+
 def test_default_splits():
     """B * nkv * S reaches ~512 programs, never more splits than live blocks (pages: >= 2 a split)."""
     assert decode.default_splits(1, 2, 130, 2) == 65
@@ -249,8 +268,9 @@ def test_default_splits():
 def test_kernels_lower_for_gpu(verify_triton_modules):
     """Both kernels pass the Triton lowering for CUDA at the bench model's decode / verify
     shapes (bf16, hd 128, 16 heads; sliding: 4 kv heads, ring 515, window 512; full: 2 kv
-    heads, pages of 64, 130 page columns) at batch 1 and 32, one split and several, with an
-    arena past 4 GiB (64-bit offsets), and the modules pass the MLIR verifier."""
+    heads, pages of 64, 130 page columns) at batch 1 and 32, several splits (so the split
+    combine kernel too), with an arena past 4 GiB (64-bit offsets), and the modules pass the
+    MLIR verifier."""
     sds, bf, i32, bl = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.int32, jnp.bool_
     hd, h, e, units = 128, 16, 1024, 70000
     for b, nq in ((1, 1), (32, 3)):
@@ -267,7 +287,9 @@ def test_kernels_lower_for_gpu(verify_triton_modules):
         except (ImportError, NotImplementedError) as exc:
             pytest.skip(f"no Triton lowering here: {exc}")
         assert all("xla.gpu.triton" in t for t in texts)
-    assert len(verify_triton_modules) == 4
+        # several splits by default at both batches: merged by the combine kernel, a second module
+        assert [t.count("xla.gpu.triton") for t in texts] == [2, 2]
+    assert len(verify_triton_modules) == 8
 
 
 @pytest.mark.parametrize("kind", ["ring", "pages"])

@@ -7,6 +7,8 @@ context K/V in place from the serving arena.
     paged_attention(q, rel, k_new, v_new, q_pos, q_valid, arena, page_unit_row, seq_start,
                     *, page_size, window=None, num_splits=None, num_warps=4, num_stages=2,
                     interpret=False) -> out [B, Q, H, hd] in q's dtype          (full layers)
+    combine_splits_kernel(acc, m, l, *, out_dtype, num_warps=4, interpret=False)
+                    -> out [B, Q, H, hd] in out_dtype   (the split-K merge; `combine_splits` in jnp)
 
 Arguments, layouts and semantics: `decode_ref.py` (the jnp reference and oracle), i.e. the
 context keys of `steps/context.py` (`_ring_keys` / `_page_keys`) followed by the step's own
@@ -18,7 +20,7 @@ Why. The step used to gather each row's whole ring or all its pages out of the a
 fresh [B, K, 2, nkv, hd] array (an XLA gather, ~40 us a layer at batch 32 on an H200), then
 `layers.attention_core` materialised scores and a gathered bias in ~10 small kernels: ~0.85
 ms of a 3.4 ms batch-32 decode step, ~0.28 ms of a 1.55 ms batch-1 step. Here one kernel per
-layer (plus a small jnp combine when the keys are split) reads every live key once, from the
+layer (plus a small combine kernel when the keys are split) reads every live key once, from the
 arena, and keeps the scores in registers.
 
 Addressing. The arena [U, unit_elems] is viewed as token rows [U * unit_elems / Wt, Wt] with
@@ -54,8 +56,10 @@ so a row's live context blocks are cut into S contiguous chunks of ceil(n / S) b
 row, known only in the kernel); split s takes chunk s (possibly empty). The step's new keys
 (Q keys, one block of 16, own causal mask, validity q_valid) are scored by the last split
 only (the other splits mask them out). With S > 1 each split writes its unnormalised
-(m, l, acc) in fp32 and the wrapper merges them: w_s = exp(m_s - max_s m_s), out =
-sum_s w_s acc_s / sum_s w_s l_s (zero where that sum is 0). With S == 1 the kernel writes
+(m, l, acc) in fp32 and a second kernel (`combine_splits_kernel`, one program per (head,
+query, row)) merges them into the output in q's dtype: w_s = exp(m_s - max_s m_s), out =
+sum_s w_s acc_s / sum_s w_s l_s (zero where that sum is 0); `combine_splits` is its jnp
+reference (XLA made 2-3 fusions and a cast of it: launches of every decode layer). With S == 1 the kernel writes
 the normalised output directly, no combine. Default S: enough splits that B * nkv * S >=
 `TARGET_PROGRAMS` (512: ~4 small programs per SM of an H200), capped by the most live blocks
 a row can have (pages: half of them, >= 2 pages a split); bench shapes: pages S = 8 at
@@ -70,7 +74,8 @@ Fallback to the reference (`decode_ref`), never a different result: hd not a pow
 arena unit not a multiple of a token row (pages: not exactly one page), page_size not a
 power of two >= 16, too many token rows for int32 indices, empty inputs.
 
-Numerics: as `pallas.py`. fp32: the summation orders differ from the reference (per block,
+Numerics: as `pallas.py`. The combine kernel: fp32 within 5e-7 absolute (a few ulps) of
+the jnp `combine_splits` on O(1) outputs (sum order over splits), bf16 equal after the cast (tested). fp32: the summation orders differ from the reference (per block,
 rescaled; splits merged at the end): ~1e-6 relative. bf16: the kernel rounds the
 unnormalised p (in [0, 1]) to bf16 before p @ v, the reference the normalised probabilities;
 agreement within a few bf16 ulps of the output scale (tests: atol 2e-2 on O(1) outputs).
@@ -304,7 +309,45 @@ def _decode_call(q, rel, k_new, v_new, q_pos, q_valid, arena, unit_row, seq_star
         *scalars, q, rel, k_new, v_new, q_pos, q_ok, view)
     if splits == 1:
         return res
-    return combine_splits(*res).astype(q.dtype)
+    return combine_splits_kernel(*res, out_dtype=q.dtype, num_warps=num_warps, interpret=interpret)
+
+
+def combine_splits_kernel(acc: Float[Array, "B S Q H D"], m: Float[Array, "B S Q H"], l: Float[Array, "B S Q H"],
+                          *, out_dtype, num_warps: int = NUM_WARPS, interpret: bool = False
+                          ) -> Float[Array, "B Q H D"]:
+    """`combine_splits` as one Pallas kernel, its result cast to `out_dtype` in the kernel
+    (the jnp merge is 2-3 XLA fusions plus a cast on the GPU). One program per (head h,
+    query i, row b): grid (H, Q, B); it loads the S splits' (m, l) [Sp] and acc [Sp, D] of
+    (b, i, h) with an index vector over the splits (Sp = S padded to a power of two >= 16 for
+    the Triton tile, padded entries weigh 0) and writes out[b, i, h, :].
+
+    Same operations as `combine_splits` (fp32; the padded entries add exact zeros): ~1e-6
+    relative in fp32 (the sum order over splits may differ), equal after the cast to bf16 but
+    for rare rounding-boundary ties. Falls back to `combine_splits` for D not a power of two."""
+    b, ns, nq, h, hd = acc.shape
+    if not (_is_pow2(hd) and ns > 0 and b * nq * h > 0):
+        return combine_splits(acc, m, l).astype(out_dtype)
+    sp_pad = max(MIN_BLOCK, _pow2_ceil(ns))
+
+    def kernel(acc_ref, m_ref, l_ref, o_ref):
+        hh, qi, bi = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+        s_idx = jax.lax.broadcasted_iota(jnp.int32, (sp_pad,), 0)
+        s_ok = s_idx < ns
+        sc = jnp.minimum(s_idx, ns - 1)  # padded entries re-read split S-1, weighted 0
+        m_s = jnp.where(s_ok, m_ref[bi, sc, qi, hh], -jnp.inf)  # [Sp]
+        l_s = l_ref[bi, sc, qi, hh]
+        acc_s = acc_ref[bi, sc, qi, hh, pl.ds(0, hd)]  # [Sp, D]
+        m_max = jnp.max(m_s)
+        m_max = jnp.where(m_max == -jnp.inf, 0.0, m_max)
+        w = jnp.exp(m_s - m_max)  # an empty split (m = -inf) and the padding weigh 0
+        den = jnp.sum(w * l_s)
+        num = jnp.sum(w[:, None] * acc_s, axis=0)  # [D]
+        out = jnp.where(den > 0, num / jnp.where(den > 0, den, 1.0), 0.0)
+        o_ref[bi, qi, hh, pl.ds(0, hd)] = out.astype(o_ref.dtype)
+
+    return pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((b, nq, h, hd), out_dtype), grid=(h, nq, b),
+                       aliases={}, interpret=interpret, num_warps=num_warps,
+                       name="inkling_decode_combine_splits")(acc, m, l)
 
 
 def combine_splits(acc: Float[Array, "B S Q H D"], m: Float[Array, "B S Q H"],
@@ -364,4 +407,4 @@ def paged_attention(q: Float[Array, "B Q H D"], rel: Float[Array, "B Q H E"], k_
     return with_ref_vjp(kernel_fn, ref_fn)(q, rel, k_new, v_new, q_pos, q_valid, arena, page_unit_row, seq_start)
 
 
-__all__ = ["combine_splits", "default_splits", "paged_attention", "ring_attention"]
+__all__ = ["combine_splits", "combine_splits_kernel", "default_splits", "paged_attention", "ring_attention"]
