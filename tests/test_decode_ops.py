@@ -11,7 +11,8 @@ quietly bring them back:
 * batch 1: the attention projections of the lone token go through the grouped mat-vec kernel;
 * decode attention: one kernel per layer reading the arena in place (pages of 16 tokens here,
   so the full layer takes the paged kernel too), its split-K partials merged by one combine
-  kernel (not XLA's reductions and cast).
+  kernel (not XLA's reductions and cast), the relative bias and the log scaling computed in
+  the kernel (no `attention_tables` product or its fusions).
 """
 
 from __future__ import annotations
@@ -80,6 +81,9 @@ def test_decode_loop_body(batch):
     assert kernels.count("inkling_paged_decode_attention") == cfg.num_layers - sliding
     # the tiny ring is one key block (one split); the 4 pages are 2 splits, merged by the kernel
     assert kernels.count("inkling_decode_combine_splits") == cfg.num_layers - sliding
+    # the kernels compute the bias from r and rel_proj: no bias-table product in any layer
+    assert not [op for op in body if "attention_tables" in op[2]]
+    assert not [op for op in body if op[0] == "dot_general" and "layer/attention/attend" in op[2]]
     matvecs = kernels.count("moe_grouped_matvec")
     if batch == 1:  # per layer wqkvr and wo; per MoE layer routed w13, w2 and shared w13, w2
         assert matvecs == 2 * cfg.num_layers + 4 * moe_layers
