@@ -27,10 +27,11 @@ has the reference's signature (`interpret` is bound):
         (layers.matmul's matvec), or None
     attention(q, k, v, rel, q_pos, k_pos, k_valid, *, window) -> out, or None (the model's
         attention_core materialises the scores then)
-    ring_attention(q, rel, k_new, v_new, q_pos, q_valid, arena, ring_unit_row, seq_start,
-        has_state, *, ring, window) -> out, or None (the step gathers the ring then)
-    paged_attention(q, rel, k_new, v_new, q_pos, q_valid, arena, page_unit_row, seq_start, *,
-        page_size, window) -> out, or None (the step gathers the pages then)
+    ring_attention(q, r, rel_proj, tau, k_new, v_new, q_pos, q_valid, arena, ring_unit_row,
+        seq_start, has_state, *, ring, window) -> out, or None (the step gathers the ring then);
+        the relative bias (r @ rel_proj) and the log scaling (tau) computed in the kernel
+    paged_attention(q, r, rel_proj, tau, k_new, v_new, q_pos, q_valid, arena, page_unit_row,
+        seq_start, *, page_size, window) -> out, or None (the step gathers the pages then)
     router_epilogue(logits, bias, scale, *, k, route_scale, num_experts) -> (idx, w, gamma):
         layers.route after its matmul, or None (route's jnp then)
 

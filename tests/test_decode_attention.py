@@ -22,7 +22,7 @@ from pallas_kernels.attention import decode, decode_ref
 
 INTERPRET = jax.default_backend() != "gpu"
 TOL = {jnp.float32: dict(rtol=1e-5, atol=1e-5), jnp.bfloat16: dict(rtol=2e-2, atol=2e-2)}
-HD, NKV, H, E = 16, 2, 8, 24
+HD, NKV, H, E, DR = 16, 2, 8, 24, 3  # DR: the bias inputs per head (d_rel), not a power of two
 UNIT_TOKENS = 16  # token rows per arena unit (pages: the page size)
 GARBAGE = 3.0  # scale of arena contents no valid key may read (finite: masked p * v must be 0)
 
@@ -40,7 +40,7 @@ class Case:
     tokens, and (for attention_core) each row's context listed directly: positions, K, V."""
 
     def __init__(self, rng, *, kind, seq_start, q_valid, has_state=None, ring=40, pages=4, dtype=jnp.float32,
-                 nkv=NKV, h=H, hd=HD, e=E):
+                 nkv=NKV, h=H, hd=HD, e=E, log_scaling=True):
         b, nq = np.asarray(q_valid).shape
         self.kind, self.ring, self.b, self.nq = kind, ring, b, nq
         wt = 2 * nkv * hd
@@ -84,7 +84,11 @@ class Case:
         self.q = rand(rng, (b, nq, h, hd), dtype)
         self.k_new = rand(rng, (b, nq, nkv, hd), dtype)
         self.v_new = rand(rng, (b, nq, nkv, hd), dtype)
-        self.rel = rand(rng, (b, nq, h, e), dtype, scale=0.5)
+        self.r = rand(rng, (b, nq, h, DR), dtype)
+        self.rel_proj = rand(rng, (DR, e), dtype, scale=0.5)
+        # log scaling (tau > 1, as for positions past n_floor) or none (tau = 1)
+        tau = 1.0 + 0.4 * rng.random((b, nq)) if log_scaling else np.ones((b, nq))
+        self.tau = jnp.asarray(tau, jnp.float32)
         # the context as an explicit key list (padded with invalid keys)
         n = max(1, max(len(c) for c in ctx))
         pos = np.zeros((b, n), np.int32)
@@ -95,9 +99,9 @@ class Case:
         self.ctx = (jnp.asarray(kv[:, :, 0]).astype(dtype), jnp.asarray(kv[:, :, 1]).astype(dtype), jnp.asarray(pos),
                     jnp.asarray(valid))
 
-    def args(self, q=None, rel=None, arena=None):
-        head = (self.q if q is None else q, self.rel if rel is None else rel, self.k_new, self.v_new, self.q_pos,
-                self.q_valid, self.arena if arena is None else arena, self.unit_row, self.seq_start)
+    def args(self, arena=None):
+        head = (self.q, self.r, self.rel_proj, self.tau, self.k_new, self.v_new, self.q_pos, self.q_valid,
+                self.arena if arena is None else arena, self.unit_row, self.seq_start)
         return head + (self.has_state,) if self.kind == "ring" else head
 
     def static(self, window):
@@ -120,7 +124,9 @@ class Case:
 # partial last page, rows of different lengths; Q = 1 (decode) and 3 (verify, one draft invalid)
 RING_ROWS = dict(seq_start=[57, 9, 13], has_state=[True, False, True])
 PAGE_ROWS = dict(seq_start=[37, 0, 61])
-Q_VALID = {1: [[True], [True], [True]], 3: [[True, True, False], [True, False, False], [True, True, True]]}
+Q_VALID = {1: [[True], [True], [True]], 2: [[True, True], [True, False], [True, True]],
+           3: [[True, True, False], [True, False, False], [True, True, True]],
+           4: [[True, True, True, False], [True, False, False, False], [True, True, True, True]]}
 
 
 def core_case(kind, nq, seed):
@@ -131,8 +137,9 @@ def core_case(kind, nq, seed):
 @pytest.mark.parametrize("nq", [1, 3])
 @pytest.mark.parametrize("kind,window", [("ring", 20), ("ring", None), ("pages", None), ("pages", 24)])
 def test_reference_matches_attention_core(kind, window, nq):
-    """decode_ref (reading the context from the arena) equals attention_core called as
-    context.py calls it, over the rows' context keys listed position by position (fp32)."""
+    """decode_ref (reading the context from the arena; r, rel_proj and tau as context.py
+    passes them) equals attention_core called as context.py calls it, over the rows' context
+    keys listed position by position (fp32)."""
     c = core_case(kind, nq, seed=nq * 10 + len(kind) + (window or 0))
     cfg = InklingConfig.tiny(log_scaling_n_floor=8, log_scaling_alpha=0.3, d_rel=4)
     geom = AttentionGeometry(kind == "ring", H, NKV, HD, rel_extent=E, window=window, log_scaling=kind == "pages")
@@ -142,8 +149,11 @@ def test_reference_matches_attention_core(kind, window, nq):
     ctx_k, ctx_v, ctx_pos, ctx_valid = c.ctx
     want = layers.attention_core(c.q, (ctx_k, c.k_new), (ctx_v, c.v_new), r, rel_proj, c.q_pos, (ctx_pos, c.q_pos),
                                  (ctx_valid, c.q_valid), geom, cfg)
-    qs, rel = layers.attention_tables(c.q, r, rel_proj, c.q_pos, geom, cfg)
-    got = c.reference(window, q=qs, rel=rel)
+    tau = layers.log_scaling_tau(c.q_pos, cfg) if geom.log_scaling else jnp.ones(c.q_pos.shape, jnp.float32)
+    args = list(c.args())
+    args[1:4] = r, rel_proj, tau
+    fn = decode_ref.ring_attention if kind == "ring" else decode_ref.paged_attention
+    got = fn(*args, **c.static(window))
     close(got, want, rtol=1e-5, atol=1e-5)
     # the context matters: without it (new keys only) rows with context differ
     no_ctx = layers.attention_core(c.q, c.k_new, c.v_new, r, rel_proj, c.q_pos, c.q_pos, c.q_valid, geom, cfg)
@@ -152,22 +162,45 @@ def test_reference_matches_attention_core(kind, window, nq):
     assert has_ctx.sum() == 2 and (diff[has_ctx] > 1e-2).all() and (diff[~has_ctx] < 1e-6).all()
 
 
+@pytest.mark.parametrize("log_scaling", [False, True])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_reference_tables_are_attention_tables(dtype, log_scaling):
+    """decode_ref.tables (what the kernels compute from r, rel_proj and tau) rounds as
+    layers.attention_tables does: bit-equal q and bias table, tau = 1.0 where the layer has no
+    log scaling."""
+    rng = np.random.default_rng(11)
+    cfg = InklingConfig.tiny(log_scaling_n_floor=8, log_scaling_alpha=0.3, d_rel=DR)
+    geom = AttentionGeometry(False, H, NKV, HD, rel_extent=E, window=None, log_scaling=log_scaling)
+    q, r, rel_proj = rand(rng, (2, 3, H, HD), dtype), rand(rng, (2, 3, H, DR), dtype), rand(rng, (DR, E), dtype)
+    q_pos = jnp.asarray([[5, 6, 7], [40, 41, 42]], jnp.int32)
+    tau = layers.log_scaling_tau(q_pos, cfg) if log_scaling else jnp.ones(q_pos.shape, jnp.float32)
+    for got, want in zip(decode_ref.tables(q, r, rel_proj, tau), layers.attention_tables(q, r, rel_proj, q_pos, geom,
+                                                                                         cfg)):
+        assert got.dtype == want.dtype
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
 KERNEL_CASES = {
-    # name: (kind, dtype, Q, window, num_splits values)
-    "ring_f32_verify_window": ("ring", jnp.float32, 3, 20, (1, 3, 9)),  # 9 > the 3 ring blocks
-    "ring_f32_decode_full": ("ring", jnp.float32, 1, None, (None, 2)),
-    "ring_bf16_verify": ("ring", jnp.bfloat16, 3, 20, (1, 2)),
-    "pages_f32_verify": ("pages", jnp.float32, 3, None, (1, 3, 16)),  # 16 > the 4 pages
-    "pages_f32_decode_window": ("pages", jnp.float32, 1, 24, (None, 2)),
-    "pages_bf16_verify": ("pages", jnp.bfloat16, 3, None, (1, 4)),
+    # name: (kind, dtype, Q, window, num_splits values, log scaling (tau != 1))
+    "ring_f32_verify_window": ("ring", jnp.float32, 3, 20, (1, 3, 9), False),  # 9 > the 3 ring blocks
+    "ring_f32_decode_full": ("ring", jnp.float32, 1, None, (None, 2), True),
+    "ring_bf16_verify": ("ring", jnp.bfloat16, 3, 20, (1, 2), False),
+    "ring_bf16_verify4_log": ("ring", jnp.bfloat16, 4, 20, (2,), True),
+    "pages_f32_verify": ("pages", jnp.float32, 3, None, (1, 3, 16), True),  # 16 > the 4 pages
+    "pages_f32_decode_window": ("pages", jnp.float32, 1, 24, (None, 2), False),
+    "pages_bf16_verify": ("pages", jnp.bfloat16, 3, None, (1, 4), True),
+    "pages_bf16_verify2": ("pages", jnp.bfloat16, 2, None, (2,), False),
 }
 
 
 @pytest.mark.parametrize("name", list(KERNEL_CASES))
 def test_kernel_matches_reference(name):
-    kind, dtype, nq, window, splits = KERNEL_CASES[name]
+    """The kernels (bias and log scaling computed in the kernel from r, rel_proj, tau) against
+    the reference (the tables of `attention_tables`), Q 1-4, fp32 and bf16, tau = 1 or not."""
+    kind, dtype, nq, window, splits, log_scaling = KERNEL_CASES[name]
     rows = RING_ROWS if kind == "ring" else PAGE_ROWS
-    c = Case(np.random.default_rng(sum(map(ord, name))), kind=kind, q_valid=Q_VALID[nq], dtype=dtype, **rows)
+    c = Case(np.random.default_rng(sum(map(ord, name))), kind=kind, q_valid=Q_VALID[nq], dtype=dtype,
+             log_scaling=log_scaling, **rows)
     want = c.reference(window)
     assert (np.abs(np.asarray(want, np.float32)).sum(axis=(2, 3)) > 0.1).all()  # every query has keys
     for s in splits:
@@ -230,10 +263,29 @@ def test_fallbacks_are_the_reference():
     c = Case(rng, kind="pages", q_valid=Q_VALID[1], **PAGE_ROWS)
     small = c.arena.reshape(-1, UNIT_TOKENS // 2 * 2 * NKV * HD)  # 8-token units: pages of 8
     rows = jnp.stack([c.unit_row * 2, c.unit_row * 2 + 1], axis=-1).reshape(c.b, -1)  # page p -> 2p, 2p+1
-    args = (c.q, c.rel, c.k_new, c.v_new, c.q_pos, c.q_valid, small, rows, c.seq_start)
+    args = c.args(arena=small)[:-2] + (rows, c.seq_start)
     out = decode.paged_attention(*args, page_size=8, interpret=INTERPRET)
     close(out, decode_ref.paged_attention(*args, page_size=8), rtol=0, atol=0)
     close(out, c.reference(None), rtol=1e-5, atol=1e-5)  # the same keys in pages of 16
+
+
+@pytest.mark.parametrize("splits", [2, 9])
+def test_combine_kernel_matches_jnp_combine(splits):
+    """The split merge as one kernel (`combine_splits_kernel`) against the jnp
+    `combine_splits`: fp32 within 1e-6 of the O(1) output scale (the sum order over splits
+    differs), bf16 equal after the cast; empty splits (m = -inf, l = 0) and a query no split
+    saw (zeros) included."""
+    rng = np.random.default_rng(splits)
+    b, nq, h = 2, 3, 4
+    acc = rand(rng, (b, splits, nq, h, HD))
+    m = rand(rng, (b, splits, nq, h)).at[0, 1].set(-jnp.inf).at[1, :, 0].set(-jnp.inf)
+    l = jnp.asarray(rng.random((b, splits, nq, h)) + 0.1, jnp.float32).at[0, 1].set(0.0).at[1, :, 0].set(0.0)
+    want = decode.combine_splits(acc, m, l)
+    assert float(jnp.abs(want[1, 0]).max()) == 0.0 and float(jnp.abs(want).max()) > 0.1
+    for dtype, tol in ((jnp.float32, 1e-6), (jnp.bfloat16, 0.0)):
+        got = jax.jit(partial(decode.combine_splits_kernel, out_dtype=dtype, interpret=INTERPRET))(acc, m, l)
+        assert got.shape == want.shape and got.dtype == dtype
+        close(got, want.astype(dtype), rtol=0, atol=tol)
 
 
 def test_default_splits():
@@ -249,12 +301,14 @@ def test_default_splits():
 def test_kernels_lower_for_gpu(verify_triton_modules):
     """Both kernels pass the Triton lowering for CUDA at the bench model's decode / verify
     shapes (bf16, hd 128, 16 heads; sliding: 4 kv heads, ring 515, window 512; full: 2 kv
-    heads, pages of 64, 130 page columns) at batch 1 and 32, one split and several, with an
-    arena past 4 GiB (64-bit offsets), and the modules pass the MLIR verifier."""
+    heads, pages of 64, 130 page columns) at batch 1 and 32, several splits (so the split
+    combine kernel too), with an arena past 4 GiB (64-bit offsets), and the modules pass the
+    MLIR verifier."""
     sds, bf, i32, bl = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.int32, jnp.bool_
-    hd, h, e, units = 128, 16, 1024, 70000
+    hd, h, e, dr, units = 128, 16, 1024, 16, 70000
     for b, nq in ((1, 1), (32, 3)):
-        head = lambda nkv: (sds((b, nq, h, hd), bf), sds((b, nq, h, e), bf), sds((b, nq, nkv, hd), bf),
+        head = lambda nkv: (sds((b, nq, h, hd), bf), sds((b, nq, h, dr), bf), sds((dr, e), bf),
+                            sds((b, nq), jnp.float32), sds((b, nq, nkv, hd), bf),
                             sds((b, nq, nkv, hd), bf), sds((b, nq), i32), sds((b, nq), bl),
                             sds((units, 64 * 2 * 2 * hd), bf))
         ring_args = head(4) + (sds((b,), i32), sds((b,), i32), sds((b,), bl))
@@ -267,28 +321,32 @@ def test_kernels_lower_for_gpu(verify_triton_modules):
         except (ImportError, NotImplementedError) as exc:
             pytest.skip(f"no Triton lowering here: {exc}")
         assert all("xla.gpu.triton" in t for t in texts)
-    assert len(verify_triton_modules) == 4
+        # several splits by default at both batches: merged by the combine kernel, a second module
+        assert [t.count("xla.gpu.triton") for t in texts] == [2, 2]
+    assert len(verify_triton_modules) == 8
 
 
 @pytest.mark.parametrize("kind", ["ring", "pages"])
 def test_gradient_is_the_references(kind):
-    """The kernels' backward is the reference's VJP (`_common.with_ref_vjp`): d/d(q, arena) of a
-    weighted sum of the output equals the reference's (fp32), and reaches the arena's context."""
+    """The kernels' backward is the reference's VJP (`_common.with_ref_vjp`): d/d(q, r,
+    rel_proj, tau, arena) of a weighted sum of the output equals the reference's (fp32), and
+    reaches the arena's context."""
     rows = RING_ROWS if kind == "ring" else PAGE_ROWS
     c = Case(np.random.default_rng(7), kind=kind, q_valid=Q_VALID[1], **rows)
     args = list(c.args())
     weights = rand(np.random.default_rng(8), c.q.shape)
 
-    def loss(fn, q, arena):
+    def loss(fn, q, r, rel_proj, tau, arena):
         a = list(args)
-        a[0], a[6] = q, arena
+        a[:4], a[8] = (q, r, rel_proj, tau), arena
         return jnp.sum(fn(*a) * weights)
 
     kernel = partial(decode.ring_attention if kind == "ring" else decode.paged_attention, **c.static(None),
                      interpret=INTERPRET)
     ref = partial(decode_ref.ring_attention if kind == "ring" else decode_ref.paged_attention, **c.static(None))
-    got = jax.grad(partial(loss, kernel), argnums=(0, 1))(args[0], args[6])
-    want = jax.grad(partial(loss, ref), argnums=(0, 1))(args[0], args[6])
+    diff = (0, 1, 2, 3, 4)
+    got = jax.grad(partial(loss, kernel), argnums=diff)(*args[:4], args[8])
+    want = jax.grad(partial(loss, ref), argnums=diff)(*args[:4], args[8])
     for g, w in zip(got, want):
         close(g, w, rtol=1e-5, atol=1e-5)
-    assert np.abs(np.asarray(got[1])).max() > 1e-3  # the context rows of the arena get a gradient
+    assert min(np.abs(np.asarray(g)).max() for g in got) > 1e-3  # the context rows of the arena too

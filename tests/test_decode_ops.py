@@ -8,7 +8,11 @@ quietly bring them back:
 * the k / v conv taps are joined once per dispatch, before the loop (`layers.with_kv_conv`);
 * the router's epilogue is one kernel per MoE layer (no `top_k` left);
 * the sliding rings are checkpointed by one conditional per step, not one per layer;
-* batch 1: the attention projections of the lone token go through the grouped mat-vec kernel.
+* batch 1: the attention projections of the lone token go through the grouped mat-vec kernel;
+* decode attention: one kernel per layer reading the arena in place (pages of 16 tokens here,
+  so the full layer takes the paged kernel too), its split-K partials merged by one combine
+  kernel (not XLA's reductions and cast), the relative bias and the log scaling computed in
+  the kernel (no `attention_tables` product or its fusions).
 """
 
 from __future__ import annotations
@@ -47,7 +51,7 @@ def loop_ops(jaxpr, in_loop: bool = False):
 @pytest.mark.parametrize("batch", [1, 2])
 def test_decode_loop_body(batch):
     cfg = ik.InklingConfig.tiny()
-    layout = ArenaLayout.build(cfg, 4)
+    layout = ArenaLayout.build(cfg, 16)  # pages of 16: the paged kernel's smallest
     shape = StepShape("decode", batch, batch, 1, 4, steps=2)
     params = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, jnp.float32), ik.param_shapes(cfg),
                           is_leaf=lambda x: isinstance(x, tuple))
@@ -72,6 +76,14 @@ def test_decode_loop_body(batch):
     moe_layers = cfg.num_layers - len(cfg.dense_layer_ids)
     kernels = [op[1] for op in body if op[1] is not None]
     assert kernels.count("moe_router_epilogue") == moe_layers
+    sliding = len(cfg.local_layer_ids)
+    assert kernels.count("inkling_ring_decode_attention") == sliding
+    assert kernels.count("inkling_paged_decode_attention") == cfg.num_layers - sliding
+    # the tiny ring is one key block (one split); the 4 pages are 2 splits, merged by the kernel
+    assert kernels.count("inkling_decode_combine_splits") == cfg.num_layers - sliding
+    # the kernels compute the bias from r and rel_proj: no bias-table product in any layer
+    assert not [op for op in body if "attention_tables" in op[2]]
+    assert not [op for op in body if op[0] == "dot_general" and "layer/attention/attend" in op[2]]
     matvecs = kernels.count("moe_grouped_matvec")
     if batch == 1:  # per layer wqkvr and wo; per MoE layer routed w13, w2 and shared w13, w2
         assert matvecs == 2 * cfg.num_layers + 4 * moe_layers

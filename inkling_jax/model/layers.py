@@ -180,7 +180,9 @@ def attention_tables(q: Float[Array, "b tq nh hd"], r: Float[Array, "b tq nh dr"
     """q times tau(pos_q) on log-scaling layers, and the bias table rel[b, q, h, d] =
     (r @ rel_proj) in q's dtype, times tau in fp32 and rounded again: what `attention_core`
     gathers its bias from, and the inputs of the fused kernel (`pallas_kernels.attention`), so
-    both round alike."""
+    both round alike. The decode / verify kernels (`attention.decode`, the in-place path of
+    `steps.context.StepContext.attend`) take r, rel_proj and tau instead and round the same
+    way in the kernel (`attention.decode_ref.tables`)."""
     dtype = q.dtype
     rel = jnp.einsum("bqhr,re->bqhe", r, rel_proj.astype(r.dtype), preferred_element_type=jnp.float32).astype(dtype)
     if geom.log_scaling:

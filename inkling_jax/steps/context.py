@@ -129,14 +129,19 @@ class StepContext:
         in_place = ops.ring_attention if geom.is_sliding else ops.paged_attention
         old_ring = None  # the sliding ring before this step, where it was read
         if in_place is not None and qn < FUSED_ATTENTION_MIN_QUERY:
-            # decode / verify: the kernels read the ring or the pages in place from the arena
-            qs, rel = L.attention_tables(qp, rp, rel_proj, q_pos, geom, self.cfg)
+            # decode / verify: the kernels read the ring or the pages in place from the arena and
+            # compute the bias of just the keys they visit from r and rel_proj, and the log
+            # scaling from tau (rounded as attention_tables rounds them): no [B, Q, H, E] table
+            if geom.log_scaling:
+                tau = L.log_scaling_tau(q_pos, self.cfg)  # the same in every layer: XLA computes it once
+            else:
+                tau = jnp.ones(q_pos.shape, jnp.float32)
             if geom.is_sliding:
-                out = in_place(qs, rel, kp, vp, q_pos, q_valid, self.arena,
+                out = in_place(qp, rp, rel_proj, tau, kp, vp, q_pos, q_valid, self.arena,
                                lay.slot_row(meta.physical_slot, self.fields.ring), meta.seq_start,
                                meta.rows.has_state, ring=lay.ring, window=geom.window)
             else:
-                out = in_place(qs, rel, kp, vp, q_pos, q_valid, self.arena,
+                out = in_place(qp, rp, rel_proj, tau, kp, vp, q_pos, q_valid, self.arena,
                                lay.page_row(self.physical_pages, self.arena.shape[0], self.page_layer),
                                meta.seq_start, page_size=lay.page_size, window=geom.window)
         else:

@@ -1,13 +1,17 @@
 """Decode / verify attention against the serving arena: the jnp reference (the oracle of
 `decode.py`'s kernels, same signatures without the tuning arguments).
 
-    ring_attention(q, rel, k_new, v_new, q_pos, q_valid, arena, ring_unit_row, seq_start, has_state,
-                   *, ring, window) -> out [B, Q, H, hd] in q's dtype
-    paged_attention(q, rel, k_new, v_new, q_pos, q_valid, arena, page_unit_row, seq_start,
-                    *, page_size, window=None) -> out [B, Q, H, hd]
+    ring_attention(q, r, rel_proj, tau, k_new, v_new, q_pos, q_valid, arena, ring_unit_row,
+                   seq_start, has_state, *, ring, window) -> out [B, Q, H, hd] in q's dtype
+    paged_attention(q, r, rel_proj, tau, k_new, v_new, q_pos, q_valid, arena, page_unit_row,
+                    seq_start, *, page_size, window=None) -> out [B, Q, H, hd]
+    tables(q, r, rel_proj, tau) -> (q * tau, rel [B, Q, H, E]) in q's dtype
 
-    q              [B, Q, H, hd]      queries, already tau-scaled (`layers.attention_tables`)
-    rel            [B, Q, H, E]       bias table, already tau-scaled, in q's dtype
+    q              [B, Q, H, hd]      queries (RMS-normed, not yet tau-scaled)
+    r              [B, Q, H, dr]      the queries' relative-bias inputs
+    rel_proj       [dr, E]            the layer's relative-bias projection (E = rel_extent)
+    tau            [B, Q] fp32        log scaling of each query (`layers.log_scaling_tau`),
+                                      1.0 on layers without log scaling
     k_new, v_new   [B, Q, nkv, hd]    the step's own keys / values (not yet in the arena)
     q_pos          [B, Q] int32       positions of the queries and of the new keys
                                       (the step builds seq_start[b] + i)
@@ -25,9 +29,12 @@
                                       array in one unit; context position j valid iff
                                       j < seq_start[b] (unused columns: any row, masked)
 
-This is exactly what `inkling_jax.steps.context.StepContext.attend` computes today (the
-context gathered by `_ring_keys` / `_page_keys`, the new keys concatenated after it) with the
-scores of `ref.attention` (= `layers.attention_core` with the tables applied by the caller).
+The bias and the log scaling are rounded as `layers.attention_tables` rounds them (`tables`):
+rel = (r @ rel_proj) accumulated in fp32, rounded to q's dtype, times tau in fp32, rounded
+again; q times tau in fp32, rounded (tau = 1.0 changes nothing). This is exactly what
+`inkling_jax.steps.context.StepContext.attend` computed before the kernels (the context
+gathered by `_ring_keys` / `_page_keys`, the new keys concatenated after it) with the scores
+of `ref.attention` (= `layers.attention_core`).
 """
 
 from __future__ import annotations
@@ -62,6 +69,15 @@ def page_keys(arena: Array, page_unit_row: Int[Array, "B P"], seq_start: Int[Arr
     return kv[:, :, 0], kv[:, :, 1], pos, valid
 
 
+def tables(q: Float[Array, "B Q H D"], r: Float[Array, "B Q H R"], rel_proj: Float[Array, "R E"],
+           tau: Float[Array, "B Q"]) -> tuple[Array, Array]:
+    """(q * tau, rel [B, Q, H, E]) in q's dtype, rounded as `layers.attention_tables` rounds them."""
+    dtype = q.dtype
+    rel = jnp.einsum("bqhr,re->bqhe", r, rel_proj.astype(r.dtype), preferred_element_type=jnp.float32).astype(dtype)
+    t = tau.astype(jnp.float32)[:, :, None, None]
+    return (q.astype(jnp.float32) * t).astype(dtype), (rel.astype(jnp.float32) * t).astype(dtype)
+
+
 def _attend(q, rel, k_new, v_new, q_pos, q_valid, ctx_k, ctx_v, ctx_pos, ctx_valid, window):
     q_pos = q_pos.astype(jnp.int32)
     k = jnp.concatenate([ctx_k.astype(k_new.dtype), k_new], axis=1)
@@ -71,17 +87,19 @@ def _attend(q, rel, k_new, v_new, q_pos, q_valid, ctx_k, ctx_v, ctx_pos, ctx_val
     return ref.attention(q, k, v, rel, q_pos, k_pos, k_valid, window=window)
 
 
-def ring_attention(q: Float[Array, "B Q H D"], rel: Float[Array, "B Q H E"], k_new: Float[Array, "B Q Hkv D"],
+def ring_attention(q: Float[Array, "B Q H D"], r: Float[Array, "B Q H R"], rel_proj: Float[Array, "R E"],
+                   tau: Float[Array, "B Q"], k_new: Float[Array, "B Q Hkv D"],
                    v_new: Float[Array, "B Q Hkv D"], q_pos: Int[Array, "B Q"], q_valid: Bool[Array, "B Q"],
                    arena: Array, ring_unit_row: Int[Array, "B"], seq_start: Int[Array, "B"],
                    has_state: Bool[Array, "B"], *, ring: int, window: int | None) -> Float[Array, "B Q H D"]:
     """Sliding layers: the row's ring (read from the arena) plus the new keys. See the module docstring."""
     nkv, hd = k_new.shape[2], k_new.shape[3]
     ctx = ring_keys(arena, ring_unit_row, seq_start, has_state, ring=ring, nkv=nkv, hd=hd)
-    return _attend(q, rel, k_new, v_new, q_pos, q_valid, *ctx, window)
+    return _attend(*tables(q, r, rel_proj, tau), k_new, v_new, q_pos, q_valid, *ctx, window)
 
 
-def paged_attention(q: Float[Array, "B Q H D"], rel: Float[Array, "B Q H E"], k_new: Float[Array, "B Q Hkv D"],
+def paged_attention(q: Float[Array, "B Q H D"], r: Float[Array, "B Q H R"], rel_proj: Float[Array, "R E"],
+                    tau: Float[Array, "B Q"], k_new: Float[Array, "B Q Hkv D"],
                     v_new: Float[Array, "B Q Hkv D"], q_pos: Int[Array, "B Q"], q_valid: Bool[Array, "B Q"],
                     arena: Array, page_unit_row: Int[Array, "B P"], seq_start: Int[Array, "B"], *, page_size: int,
                     window: int | None = None) -> Float[Array, "B Q H D"]:
@@ -92,7 +110,7 @@ def paged_attention(q: Float[Array, "B Q H D"], rel: Float[Array, "B Q H E"], k_
         raise ValueError(f"a unit of {arena.shape[1]} elements is not one page of {page_size} tokens "
                          f"x 2 x {nkv} x {hd}")
     ctx = page_keys(arena, page_unit_row, seq_start, nkv=nkv, hd=hd)
-    return _attend(q, rel, k_new, v_new, q_pos, q_valid, *ctx, window)
+    return _attend(*tables(q, r, rel_proj, tau), k_new, v_new, q_pos, q_valid, *ctx, window)
 
 
-__all__ = ["page_keys", "paged_attention", "ring_attention", "ring_keys"]
+__all__ = ["page_keys", "paged_attention", "ring_attention", "ring_keys", "tables"]
