@@ -246,3 +246,42 @@ def test_lowers_for_gpu(verify_triton_modules):
                 pytest.skip(f"no Triton lowering here: {exc}")
             assert "xla.gpu.triton" in text and "conv_update_residual_norm" in text
     assert verify_triton_modules
+
+
+def test_spec_engine_with_fused_norms_matches_jnp(monkeypatch):
+    """A speculative engine on the Pallas ops (interpret mode) generates what the jnp engine
+    generates, with chain_hidden_post_norm (the MTP depths' chain norm is their block's
+    next_norm, fused into its last conv): prefill chunks of <= 16 tokens and the MTP depths run
+    the fused kernel, verify's deferred target pass the unfused ops. Tokens and drafts equal."""
+    from conftest import ENGINE_KW
+
+    import inkling_jax as ik
+
+    cfg = InklingConfig.tiny(num_layers=2, local_layer_ids=(0,), dense_layer_ids=(0,), num_mtp_layers=2,
+                             mtp_local_layer_ids=(1,), chain_hidden_post_norm=True)
+    params = ik.init_params(cfg, jax.random.key(3), std=0.1)
+    prompt = list(np.random.RandomState(2).randint(3, cfg.unpadded_vocab_size, 11))
+    traced = []
+
+    def spy(*a, **k):
+        traced.append(a[1].shape)
+        return real(*a, **k)
+
+    real = pconv.conv_update_residual_norm
+    monkeypatch.setattr(pconv, "conv_update_residual_norm", spy)
+    pk._pallas_ops.cache_clear()
+    out = {}
+    try:
+        for pallas in (False, True):
+            engine = ik.Engine(cfg, params, ik.EngineConfig(**{**ENGINE_KW, "max_running": 1, "spec_steps": 2},
+                                                            use_pallas=pallas, pallas_interpret=pallas))
+            (req,) = engine.submit([prompt], ik.SamplingParams(max_new_tokens=6, stop_at_eos=False))
+            drafts = []
+            while engine.running or engine.waiting:
+                engine.step()
+                drafts.append(list(req.drafts or []))
+            out[pallas] = (list(req.out_tokens), drafts)
+    finally:
+        monkeypatch.undo()
+        pk._pallas_ops.cache_clear()
+    assert traced and out[True] == out[False]
