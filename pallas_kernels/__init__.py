@@ -17,6 +17,10 @@ has the reference's signature (`interpret` is bound):
                 sink_rows) -> (y, arena)
     conv_write(arena, x, window, rows, active_row, track_row, *, window_shape, channels,
                sink_rows) -> arena
+    conv_residual_norm(arena, x, weight, rows, active_row, track_row, residual, norm_weight, *,
+               eps, window_shape, channels, sink_rows) -> (residual + y, rms_norm(residual + y), arena):
+        conv_update fused with the decoder layer's residual add and next RMSNorm, or None for
+        the references (the layer then runs conv_update, the add and the norm)
     copy_units(arena, src_rows, dst_rows, *, num_units, sink_rows) -> arena
     clear_units(arena, dst_rows, *, num_units, sink_rows) -> arena
     moe_experts(x, idx, weight, w13, w2) -> y, or None for the references (the model's MoE
@@ -66,6 +70,7 @@ class ConvOps:
     ring_attention: Callable | None = None  # few queries against sliding rings read in place (decode / verify)
     paged_attention: Callable | None = None  # few queries against full-attention pages read in place
     router_epilogue: Callable | None = None  # the MoE router after its matmul (layers.route's epilogue)
+    conv_residual_norm: Callable | None = None  # conv_update + residual add + next RMSNorm (few-token steps)
     pallas: bool = False  # True: the Pallas kernels
     interpret: bool = False
 
@@ -105,6 +110,8 @@ def _pallas_ops(interpret: bool) -> ConvOps:
     return ConvOps(
         conv_update=jitted(conv_state.pallas.conv_update, *conv, "tile"),
         conv_write=jitted(conv_state.pallas.conv_write, *conv),
+        conv_residual_norm=jitted(conv_state.pallas.conv_update_residual_norm, "eps", "window_shape", "channels",
+                                  "sink_rows", "num_warps"),
         copy_units=jitted(slot_ops.pallas.copy_units, *units),
         clear_units=jitted(slot_ops.pallas.clear_units, *units),
         moe_experts=jitted(moe.pallas.moe_experts, "tf", "bh", "splits", "num_warps", "target_programs"),

@@ -12,7 +12,10 @@ quietly bring them back:
 * decode attention: one kernel per layer reading the arena in place (pages of 16 tokens here,
   so the full layer takes the paged kernel too), its split-K partials merged by one combine
   kernel (not XLA's reductions and cast), the relative bias and the log scaling computed in
-  the kernel (no `attention_tables` product or its fusions).
+  the kernel (no `attention_tables` product or its fusions);
+* each residual conv ("attn", "mlp") adds the residual and computes the norm after it in its
+  kernel (`conv_update_residual_norm`): the only RMSNorm of the residual stream left outside a
+  kernel is the first layer's attn_norm (the per-head q / k norms and embed_norm aside).
 """
 
 from __future__ import annotations
@@ -32,20 +35,20 @@ from inkling_jax.steps.program import run_step
 SLOTS, PAGES = 8, 32
 
 
-def loop_ops(jaxpr, in_loop: bool = False):
-    """(primitive name, pallas kernel name or None, name stack, inside the decode loop) of
-    every equation, sub-jaxprs included. The loop is a `fori_loop` over constants, which jax
-    traces as a `scan` (the interpret-mode kernels' grids are `while` loops)."""
+def loop_ops(jaxpr, in_loop: bool = False, in_kernel: bool = False):
+    """(primitive name, pallas kernel name or None, name stack, inside the decode loop, inside a
+    Pallas kernel) of every equation, sub-jaxprs included. The loop is a `fori_loop` over
+    constants, which jax traces as a `scan` (the interpret-mode kernels' grids are `while` loops)."""
     for eqn in jaxpr.eqns:
         kernel = eqn.params.get("name") if eqn.primitive.name == "pallas_call" else None
-        yield eqn.primitive.name, kernel, str(eqn.source_info.name_stack), in_loop
+        yield eqn.primitive.name, kernel, str(eqn.source_info.name_stack), in_loop, in_kernel
         for key, value in eqn.params.items():
             inside = in_loop or (eqn.primitive.name == "scan" and key == "jaxpr")
             for sub in value if isinstance(value, (list, tuple)) else [value]:
                 if isinstance(sub, jax.extend.core.ClosedJaxpr):
-                    yield from loop_ops(sub.jaxpr, inside)
+                    yield from loop_ops(sub.jaxpr, inside, in_kernel or kernel is not None)
                 elif isinstance(sub, jax.extend.core.Jaxpr):
-                    yield from loop_ops(sub, inside)
+                    yield from loop_ops(sub, inside, in_kernel or kernel is not None)
 
 
 @pytest.mark.parametrize("batch", [1, 2])
@@ -89,3 +92,12 @@ def test_decode_loop_body(batch):
         assert matvecs == 2 * cfg.num_layers + 4 * moe_layers
     else:  # B = 2 x top-2 of 8 experts: dense routed experts, the shared ones by einsum
         assert matvecs == 0
+    # the residual convs carry the add and the next norm: one kernel each, two per layer; the
+    # k|v conv stays conv_update. RMSNorms of the residual stream outside kernels (one rsqrt
+    # each; not the per-head q / k norms under attention/, nor embed_norm): only the first
+    # layer's attn_norm, where there were two per layer and the final norm
+    assert kernels.count("conv_update_residual_norm") == 2 * cfg.num_layers
+    assert kernels.count("conv_update") == cfg.num_layers
+    stream_norms = [op[2] for op in body if op[0] == "rsqrt" and not op[4]
+                    and not op[2].endswith(("attention/norm", "embed/norm"))]
+    assert stream_norms == ["norm"], stream_norms

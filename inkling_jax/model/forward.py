@@ -43,9 +43,26 @@ def forward_hidden(params: Params, cfg: InklingConfig, tokens: Int[Array, "b t"]
     b, t = tokens.shape
     ctx = DenseContext(cfg, jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)), parallel)
     x = L.embed(params, cfg, tokens, dtype, parallel)
-    for i, p in enumerate(params["layers"]):
-        x = L.decoder_layer(p, cfg, cfg.layer_geometry(i), cfg.is_dense(i), x, ctx)
-    return L.rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+    return run_trunk(params, cfg, ctx, x)
+
+
+def run_trunk(params: Params, cfg: InklingConfig, ctx: Any, x: Array, bind: Any = None) -> Array:
+    """The decoder layers and the final norm: the final-normed hidden states. Each layer hands
+    the norm after it to the next (`decoder_layer`'s h / next_norm: the next layer's attn_norm,
+    after the last the final norm), so a context that fuses a residual conv with the norm after
+    it (`LayerContext.conv_residual_norm`) computes every norm but the first inside a conv;
+    without one the ops are exactly the unfused layers'. bind(i): called before layer i (the
+    serving steps bind the layer's state fields)."""
+    layers, eps = params["layers"], cfg.rms_norm_eps
+    if not layers:
+        return L.rms_norm(x, params["final_norm"], eps)
+    h = L.rms_norm(x, layers[0]["attn_norm"], eps)
+    for i, p in enumerate(layers):
+        if bind is not None:
+            bind(i)
+        next_norm = layers[i + 1]["attn_norm"] if i + 1 < len(layers) else params["final_norm"]
+        x, h = L.decoder_layer(p, cfg, cfg.layer_geometry(i), cfg.is_dense(i), x, ctx, h=h, next_norm=next_norm)
+    return h
 
 
 def forward(params: Params, cfg: InklingConfig, tokens: Int[Array, "b t"], parallel: Any = None
@@ -71,6 +88,17 @@ def mtp_depth_output(params: Params, cfg: InklingConfig, y: Array) -> Array:
     if cfg.chain_hidden_post_norm:
         return L.rms_norm(y, params["mtp"]["chain_norm"], cfg.rms_norm_eps)
     return y
+
+
+def mtp_depth_block(params: Params, cfg: InklingConfig, depth: int, z: Array, ctx: Any) -> Array:
+    """One MTP depth's decoder block on its input z, then `mtp_depth_output`: the hidden state
+    the depth hands on. With chain_hidden_post_norm the chain norm is the block's next_norm (a
+    fusing context computes it inside the block's last conv); without, the block's output as is."""
+    block = params["mtp"]["layers"][depth]["block"]
+    geom = cfg.mtp_geometry(depth)
+    if cfg.chain_hidden_post_norm:
+        return L.decoder_layer(block, cfg, geom, True, z, ctx, next_norm=params["mtp"]["chain_norm"])[1]
+    return L.decoder_layer(block, cfg, geom, True, z, ctx)
 
 
 def mtp_forward(
@@ -100,8 +128,7 @@ def mtp_forward(
         known = jnp.concatenate([known, pred_last[:, None]], axis=1)  # t_0 .. t_{T+d}
         step_tokens = known[:, d + 1:d + 1 + t]  # t_{j+d+1}
         z = mtp_depth_input(params, cfg, d, h_prev, step_tokens, parallel)
-        y = L.decoder_layer(params["mtp"]["layers"][d]["block"], cfg, cfg.mtp_geometry(d), True, z, ctx)
-        h_prev = mtp_depth_output(params, cfg, y)
+        h_prev = mtp_depth_block(params, cfg, d, z, ctx)
         prev_logits = L.lm_head(params, cfg, h_prev, parallel)
         all_logits.append(prev_logits)
         all_hidden.append(h_prev)

@@ -14,6 +14,8 @@ Optional context attributes, read with `getattr(ctx, name, None)` (absent = sing
 
     ctx.few_token_experts   a moe_experts_slices-like function for few-token MoE (a kernel)
     ctx.few_token_matvec    y[i] = x[i] @ w[idx[i]] (fp32), the shared experts of few tokens (a kernel)
+    ctx.conv_residual_norm  (stream, a, weight, x, norm_weight) -> (x + conv(a), its rms_norm): a
+                            residual conv and the norm after it in one kernel (`residual_conv_norm`)
     ctx.parallel            a `inkling_jax.parallel.ParallelAxes`: the layer runs as one shard
                             of a mesh-sharded model, inside `shard_map`, on the plan's *local*
                             params (see `inkling_jax/parallel/plan.py`)
@@ -526,19 +528,43 @@ def mlp(p: Params, cfg: InklingConfig, dense: bool, x: Array, few_token_experts:
 # ----------------------------------------------------------------------- the layer
 
 
+def residual_conv_norm(ctx: LayerContext, stream: str, a: Array, weight: Array, x: Array, norm_weight: Array,
+                       eps: float) -> tuple[Array, Array]:
+    """(x + ctx.conv(stream, a, weight), rms_norm of that sum): the layer's residual short conv
+    and the norm after it, through `ctx.conv_residual_norm(stream, a, weight, x, norm_weight)`
+    where the context has one (the serving steps: one kernel on few-token steps), else the
+    conv, the add and the norm as ops."""
+    fused = getattr(ctx, "conv_residual_norm", None)
+    if fused is not None:
+        return fused(stream, a, weight, x, norm_weight)
+    x = x + ctx.conv(stream, a, weight)
+    return x, rms_norm(x, norm_weight, eps)
+
+
 @jax.named_scope("layer")
 def decoder_layer(
-    p: Params, cfg: InklingConfig, geom: AttentionGeometry, dense: bool, x: Array, ctx: LayerContext
-) -> Array:
-    """attn_norm -> attention -> attn_sconv -> +residual -> mlp_norm -> MLP -> mlp_sconv -> +residual."""
-    h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
+    p: Params, cfg: InklingConfig, geom: AttentionGeometry, dense: bool, x: Array, ctx: LayerContext,
+    h: Array | None = None, next_norm: Array | None = None,
+) -> Array | tuple[Array, Array]:
+    """attn_norm -> attention -> attn_sconv -> +residual -> mlp_norm -> MLP -> mlp_sconv -> +residual.
+
+    h: rms_norm(x, attn_norm) where the caller has it already (the previous layer's h_next):
+    not recomputed. next_norm: the weight of the norm that follows the layer (the next layer's
+    attn_norm, the final norm, an MTP depth's chain norm); the layer then returns
+    (x, h_next = rms_norm(x, next_norm)) instead of x. Either way each conv with its residual
+    add and the norm after it go through `residual_conv_norm` (one kernel where the context
+    fuses them); a context without the fused op computes exactly the unfused ops."""
+    eps = cfg.rms_norm_eps
+    if h is None:
+        h = rms_norm(x, p["attn_norm"], eps)
     a = attention_block(p["attn"], cfg, geom, h, ctx)
-    x = x + ctx.conv("attn", a, p["attn_conv"])
-    h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
+    x, h = residual_conv_norm(ctx, "attn", a, p["attn_conv"], x, p["mlp_norm"], eps)
     m = mlp(p["mlp"], cfg, dense, h, getattr(ctx, "few_token_experts", None), getattr(ctx, "parallel", None),
             getattr(ctx, "many_token_experts", None), getattr(ctx, "few_token_matvec", None),
             getattr(ctx, "router_epilogue", None))
-    return x + ctx.conv("mlp", m, p["mlp_conv"])
+    if next_norm is None:
+        return x + ctx.conv("mlp", m, p["mlp_conv"])
+    return residual_conv_norm(ctx, "mlp", m, p["mlp_conv"], x, next_norm, eps)
 
 
 @jax.named_scope("embed")

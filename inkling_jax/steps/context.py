@@ -25,6 +25,12 @@ from ..model import layers as L
 
 
 FUSED_ATTENTION_MIN_QUERY = 32  # query rows per row from which `ops.attention` (flash kernel) is used
+# packed tokens up to which `ops.conv_residual_norm` (one program per token row) replaces
+# conv_update + the residual add + the next norm. Decode (one token per row) and the MTP depths
+# of small batches are below it; prefill chunks above keep conv_update, whose token tiles and
+# channel blocks were tuned for many tokens (token_tile is 1 up to ~256 tokens at the bench
+# width, so the fused kernel's one token per program gives up nothing here; above, unmeasured)
+FUSED_CONV_NORM_MAX_TOKENS = 64
 
 
 @jax.tree_util.register_dataclass
@@ -109,6 +115,25 @@ class StepContext:
         self.pending.append(lambda arena, m: self.ops.conv_write(
             arena, x, window, m.rows, lay.slot_row(m.physical_slot, f), lay.slot_row(m.physical_track_slot, f), **kw))
         return y
+
+    def conv_residual_norm(self, stream: str, a: Array, weight: Array, residual: Array, norm_weight: Array
+                           ) -> tuple[Array, Array]:
+        """(x, h) with x = residual + conv(stream, a) and h = rms_norm(x, norm_weight) (read by
+        `layers.residual_conv_norm`): one `ops.conv_residual_norm` kernel where the ops have it,
+        the writes are not deferred (verify keeps conv + queued writes) and the step has at most
+        FUSED_CONV_NORM_MAX_TOKENS tokens; else `conv`, the add and `layers.rms_norm`."""
+        eps = self.cfg.rms_norm_eps
+        op = self.ops.conv_residual_norm
+        if op is None or self.deferred or a.shape[0] > FUSED_CONV_NORM_MAX_TOKENS:
+            x = residual + self.conv(stream, a, weight)
+            return x, L.rms_norm(x, norm_weight, eps)
+        with jax.named_scope(f"conv_{stream}_norm"):
+            lay, f = self.layout, self.fields.conv
+            x, h, self.arena = op(self.arena, a, weight, self.meta.rows, lay.slot_row(self.meta.physical_slot, f),
+                                  lay.slot_row(self.meta.physical_track_slot, f), residual, norm_weight, eps=eps,
+                                  window_shape=f.shape, channels=self.fields.channels(stream),
+                                  sink_rows=lay.sink_rows)
+            return x, h
 
     # -- attention
 

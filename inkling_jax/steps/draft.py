@@ -14,7 +14,7 @@ from ..cache.layout import ArenaLayout
 from ..cache.state import read_slot_field, write_slot_field
 from ..config import InklingConfig
 from ..model import layers as L
-from ..model.forward import mtp_depth_input, mtp_depth_output
+from ..model.forward import mtp_depth_block, mtp_depth_input
 from .batch import StepBatch
 from .context import RowMeta, StepContext
 
@@ -86,8 +86,7 @@ def draft_phase(params: Params, cfg: InklingConfig, layout: ArenaLayout, ops: An
         ctx = StepContext(cfg, layout, ops, arena, meta, physical_pages, parallel=parallel)
         ctx.bind(fields, layout.draft_page_layer[d])
         z = mtp_depth_input(params, cfg, d, h_in.reshape(b * width, -1), tok.reshape(-1), parallel)
-        y = L.decoder_layer(params["mtp"]["layers"][d]["block"], cfg, cfg.mtp_geometry(d), True, z, ctx)
-        h_out = mtp_depth_output(params, cfg, y).reshape(b, width, -1)
+        h_out = mtp_depth_block(params, cfg, d, z, ctx).reshape(b, width, -1)
         arena = ctx.arena
         if fields.hidden is not None and d < spec - 1:
             # carry this depth's last committed row (and the checkpoint's) for depth d + 1

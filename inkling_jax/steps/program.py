@@ -47,6 +47,7 @@ from ..cache.layout import ArenaLayout
 from ..cache.state import ServingState, translate_pages, translate_slots
 from ..config import InklingConfig
 from ..model import layers as L
+from ..model.forward import run_trunk
 from .batch import StepBatch, StepShape
 from .context import RowMeta, StepContext
 from .decode_loop import decode_loop
@@ -81,11 +82,10 @@ def target_meta(batch: StepBatch, query: int, physical_slot: Array, physical_tra
 
 
 def run_layers(params: Params, cfg: InklingConfig, layout: ArenaLayout, ctx: StepContext, x: Array) -> Array:
-    """The trunk's decoder layers over packed tokens through ctx, then the final norm."""
-    for i, p in enumerate(params["layers"]):
-        ctx.bind(layout.target[i], layout.target_page_layer[i])
-        x = L.decoder_layer(p, cfg, cfg.layer_geometry(i), cfg.is_dense(i), x, ctx)
-    return L.rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+    """The trunk's decoder layers over packed tokens through ctx, then the final norm
+    (`forward.run_trunk`: on few-token steps each norm after the first runs inside the
+    residual conv before it, `StepContext.conv_residual_norm`)."""
+    return run_trunk(params, cfg, ctx, x, bind=lambda i: ctx.bind(layout.target[i], layout.target_page_layer[i]))
 
 
 @dataclass

@@ -7,8 +7,11 @@ signatures plus `interpret` and the sink's extent:
                 sink_rows) -> (y, arena)
     conv_write(arena, x, window, rows, active_row, track_row, *, window_shape, channels,
                sink_rows) -> arena
+    conv_update_residual_norm(arena, x, weight, rows, active_row, track_row, residual,
+               norm_weight, *, eps, window_shape, channels, sink_rows)
+               -> (residual + y, rms_norm(residual + y), arena)
 
-Both update the arena in place (`input_output_aliases`; donate the arena to the enclosing
+All update the arena in place (`input_output_aliases`; donate the arena to the enclosing
 jit), have a `jax.custom_vjp` whose backward is the reference's VJP, and run on CPU with
 `interpret=True`.
 
@@ -41,6 +44,11 @@ Work split (one flat grid of max(T, B) programs x channel blocks):
 Decode (T == B, Q == 1) is thus one program per row that reads its window once and writes
 y, the active window and the checkpoint in one pass: the fused decode kernel, without a
 separate dispatch. Extend (and any other T, B, Q) uses the same kernel.
+
+conv_update_residual_norm runs the same kernel body with one channel block (the whole
+stream, so a program holds a token's whole row) and one token per program; where the body
+computes token t's y it stores residual[t] + y and that row's RMSNorm instead of y (the
+decoder layer's add and next norm, which were XLA launches of their own after each conv).
 
 Deviations from the reference, all confined to state that never matters:
 
@@ -220,7 +228,11 @@ def _split_pid(plan: ConvPlan):
 
 
 def _update_kernel(plan: ConvPlan, num_tokens: int, num_rows: int, q: int, k: int, tile: int, x_dtype,
-                   arena_dtype, interpret: bool):
+                   arena_dtype, interpret: bool, norm_eps: float | None = None):
+    """conv_update's kernel; with `norm_eps` the conv_update_residual_norm variant: two more
+    inputs (residual, norm weight) after the weights, and each token's y, instead of being
+    stored, is added to its residual row and normalised (`_residual_norm_store`: one channel
+    block per program, plan.nblocks == 1)."""
     km1, nb, g = plan.km1, plan.nb, plan.granule
     blk = (nb, g)
     row_owned = min(km1, q)  # new tokens per row that read the row's window
@@ -229,10 +241,19 @@ def _update_kernel(plan: ConvPlan, num_tokens: int, num_rows: int, q: int, k: in
     # one token per program: a guess saves no load there, and measured slower on the H200)
     span = tile + km1 if tile > 1 else 0
 
-    def kernel(tok_row, tok_off, row_tok, has_state, commit, t_len, active, t_dest, x_ref, w_ref, arena_in,
-               y_ref, arena_out):
+    def kernel(tok_row, tok_off, row_tok, has_state, commit, t_len, active, t_dest, x_ref, w_ref, *refs):
+        if norm_eps is None:
+            arena_in, y_ref, arena_out = refs
+        else:
+            res_ref, nw_ref, arena_in, res_out, normed_out, arena_out = refs
         p, cb = _split_pid(plan)
         cblk = pl.ds(cb * nb, nb)
+
+        def emit(t, y):  # token t's conv output (every token's is computed by exactly one program)
+            if norm_eps is None:
+                y_ref[t, cblk, :] = y
+            else:
+                _residual_norm_store(res_ref, nw_ref, res_out, normed_out, t, y, norm_eps, interpret)
 
         def x_at(t):  # x[t] for an index already in [0, T)
             return x_ref[t, cblk, :]
@@ -290,7 +311,7 @@ def _update_kernel(plan: ConvPlan, num_tokens: int, num_rows: int, q: int, k: in
                 @pl.when(owned)
                 def _(j=j, tj_=tj_):
                     taps = [old_x[j + i] if j + i < km1 else x_of(j + i - km1) for i in range(k)]
-                    y_ref[tj_, cblk, :] = conv_combine(new_x[j], taps, w, interpret)
+                    emit(tj_, conv_combine(new_x[j], taps, w, interpret))
 
             @pl.when((n != 0) & (slot >= plan.sink_rows))
             def _():
@@ -336,7 +357,7 @@ def _update_kernel(plan: ConvPlan, num_tokens: int, num_rows: int, q: int, k: in
                         taps.append(jnp.where(m < km1, from_w.astype(x_dtype), x_tap(u, i, tb, tj, x_idx)))
                     # taps[K-1] is x[row_tokens[tb, tj]]: the token's own input
                     w = w_tile or [w_ref[i, cblk, :] for i in range(k)]
-                    y_ref[t, cblk, :] = conv_combine(taps[km1], taps, w, interpret)
+                    emit(t, conv_combine(taps[km1], taps, w, interpret))
 
     return kernel
 
@@ -406,6 +427,96 @@ def conv_update(arena: Array, x: Float[Array, "t c"], weight: Float[Array, "k c"
     tokens_per_program = token_tile(num_tokens, num_rows, plan.nblocks, plan.num_warps, tile)
     kernel_fn = lambda a, xx, w, r, ar, tr: _update_pallas(plan, a, xx, w, r, ar, tr, interpret, tokens_per_program)
     return with_ref_vjp(kernel_fn, ref_fn)(arena, x, weight, rows, active_row, track_row)
+
+
+# ---------------------------------------------------------------- conv_update_residual_norm
+
+MAX_NORM_WIDTH = 8192  # channels of one program's row at most (the norm variant has no channel blocks)
+
+
+def rms_norm_tile(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """`ref.rms_norm` of one row held as a [nb, g] block (weight likewise): the compiled
+    kernel's formula. The same ops as the reference, but the mean's sum runs over the block in
+    the reduction order Triton picks (XLA picks its own): within a few fp32 ulps of the
+    reference's mean, so the normed row within an ulp of its dtype (tests/test_conv_norm_kernel.py
+    runs this formula on CPU against the reference)."""
+    xf = x.astype(jnp.float32)
+    ms = jnp.sum(xf * xf) / float(x.size)
+    xf = xf * jax.lax.rsqrt(ms + eps)
+    return (weight.astype(x.dtype) * xf.astype(x.dtype)).astype(x.dtype)
+
+
+def _residual_norm_store(res_ref, nw_ref, res_out, normed_out, t, y, eps: float, interpret: bool) -> None:
+    """Token t's new residual row (residual + y, y rounded to the residual's dtype first) and
+    its RMSNorm, stored. Interpret mode calls the reference's own `rms_norm` on the flat row
+    (XLA reduces it as it reduces the reference's rows: bit for bit); compiled, `rms_norm_tile`."""
+    res = res_ref[t, :, :]
+    new = res + y.astype(res.dtype)
+    res_out[t, :, :] = new
+    w = nw_ref[...]
+    if interpret:
+        normed = ref.rms_norm(new.reshape(1, -1), w.reshape(-1), eps).reshape(new.shape)
+    else:
+        normed = rms_norm_tile(new, w, eps)
+    normed_out[t, :, :] = normed
+
+
+def _update_norm_pallas(plan: ConvPlan, arena, x, weight, rows: PackedRows, active_row, track_row, residual,
+                        norm_weight, eps: float, interpret: bool):
+    num_tokens, width = x.shape
+    num_rows, q = rows.row_tokens.shape
+    k = weight.shape[0]
+    g = plan.granule
+    arena2 = arena.reshape(-1, g)
+    tiles = lambda a: a.reshape(*a.shape[:-1], width // g, g)
+    args = _index_arrays(rows, active_row, track_row) + [tiles(x), tiles(weight), tiles(residual),
+                                                         tiles(norm_weight), arena2]
+    row_shape = jax.ShapeDtypeStruct((num_tokens, width // g, g), residual.dtype)
+    new, normed, arena2 = pallas_call(
+        _update_kernel(plan, num_tokens, num_rows, q, k, 1, x.dtype, arena.dtype, interpret, eps),
+        out_shape=(row_shape, row_shape, jax.ShapeDtypeStruct(arena2.shape, arena2.dtype)),
+        grid=(max(num_tokens, num_rows),), aliases={len(args) - 1: 2}, interpret=interpret,
+        num_warps=plan.num_warps, name="conv_update_residual_norm")(*args)
+    return new.reshape(num_tokens, width), normed.reshape(num_tokens, width), arena2.reshape(arena.shape)
+
+
+def conv_update_residual_norm(arena: Array, x: Float[Array, "t c"], weight: Float[Array, "k c"], rows: PackedRows,
+                              active_row: Array, track_row: Array, residual: Float[Array, "t c"],
+                              norm_weight: Float[Array, "c"], *, eps: float, window_shape: tuple[int, int],
+                              channels: tuple[int, int], sink_rows: int = 0, interpret: bool = False,
+                              num_warps: int | None = None
+                              ) -> tuple[Float[Array, "t c"], Float[Array, "t c"], Array]:
+    """`conv_update` with the decoder layer's residual add and next RMSNorm fused in: returns
+    (new_residual, normed, arena) as `ref.conv_update_residual_norm` does.
+
+    The kernel is conv_update's with one program per token row over all the stream's channels
+    (the norm reads the whole row: the plan has one channel block, and no token tiles) and
+    `max(T, B)` programs; each token's y goes straight into residual + y and its norm, and is
+    never written out. The arena writes are conv_update's (same deviations, same
+    preconditions). Residual and normed rows take residual's dtype.
+
+    Falls back to this module's `conv_update` followed by the reference's add and norm (the
+    same result) where the kernel's one row per program cannot run: a stream width that is not
+    a power of two (Triton blocks are) or above MAX_NORM_WIDTH, or any case conv_update's plan
+    refuses."""
+    num_tokens, width = x.shape if x.ndim == 2 else (0, 0)
+    num_rows, q = rows.row_tokens.shape
+    ok_shapes = (x.ndim == 2 and weight.ndim == 2 and weight.shape[1] == width and q > 0
+                 and residual.shape == x.shape and norm_weight.shape == (width,)
+                 and 0 < width <= MAX_NORM_WIDTH and width & (width - 1) == 0)
+    programs = max(num_tokens, num_rows) if num_tokens and num_rows else 0
+    plan = conv_plan(arena.shape, window_shape, channels, width, weight.shape[0], programs, sink_rows, width,
+                     num_warps) if ok_shapes else None
+    kw = dict(window_shape=window_shape, channels=channels)
+    if plan is None:
+        y, arena = conv_update(arena, x, weight, rows, active_row, track_row, sink_rows=sink_rows,
+                               interpret=interpret, **kw)
+        return (*ref.residual_norm(y, residual, norm_weight, eps), arena)
+    ref_fn = lambda a, xx, w, r, ar, tr, res, nw: ref.conv_update_residual_norm(a, xx, w, r, ar, tr, res, nw, eps=eps,
+                                                                                **kw)
+    kernel_fn = lambda a, xx, w, r, ar, tr, res, nw: _update_norm_pallas(plan, a, xx, w, r, ar, tr, res, nw, eps,
+                                                                         interpret)
+    return with_ref_vjp(kernel_fn, ref_fn)(arena, x, weight, rows, active_row, track_row, residual, norm_weight)
 
 
 # ------------------------------------------------------------------------------ conv_write

@@ -18,6 +18,10 @@ windows of several streams side by side (channel ranges; one op touches only its
 `channels = (c0, c1)`), stored from an arena row on over whole units (see `slot_ops.ref`).
 `active_row[b]` / `track_row[b, m]` are the first rows of row b's active field and of its
 m-th checkpoint field.
+
+`conv_update_residual_norm` is `conv_update` followed by the decoder layer's residual add and
+the next RMSNorm (`inkling_jax.model.layers.decoder_layer`: x + conv(a), then rms_norm), the
+composition its kernel fuses.
 """
 
 from __future__ import annotations
@@ -114,3 +118,33 @@ def conv_update(arena: Array, x: Float[Array, "t c"], weight: Float[Array, "k c"
     y = conv_tokens(x, weight, window, rows)
     return y, conv_write(arena, x, window, rows, active_row, track_row, window_shape=window_shape,
                          channels=channels, sink_rows=sink_rows)
+
+
+def rms_norm(x: Float[Array, "... d"], weight: Float[Array, "d"], eps: float) -> Float[Array, "... d"]:
+    """x / sqrt(mean(x^2) + eps) * weight in fp32, returned in x's dtype: the formula of
+    `inkling_jax.model.layers.rms_norm`, op for op (this package imports nothing of the library;
+    tests/test_conv_norm_kernel.py checks the two agree bit for bit)."""
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (weight.astype(x.dtype) * xf.astype(x.dtype)).astype(x.dtype)
+
+
+def residual_norm(y: Float[Array, "t c"], residual: Float[Array, "t c"], norm_weight: Float[Array, "c"],
+                  eps: float) -> tuple[Float[Array, "t c"], Float[Array, "t c"]]:
+    """(residual + y, rms_norm(residual + y)): y rounded to residual's dtype first, the add in
+    that dtype (as `x + conv(a)` in the decoder layer, where both have the activation dtype)."""
+    new = residual + y.astype(residual.dtype)
+    return new, rms_norm(new, norm_weight, eps)
+
+
+def conv_update_residual_norm(arena: Array, x: Float[Array, "t c"], weight: Float[Array, "k c"], rows: PackedRows,
+                              active_row: Int[Array, "b"], track_row: Int[Array, "b m"],
+                              residual: Float[Array, "t c"], norm_weight: Float[Array, "c"], *, eps: float,
+                              window_shape: tuple[int, int], channels: tuple[int, int], sink_rows: int = 0
+                              ) -> tuple[Float[Array, "t c"], Float[Array, "t c"], Array]:
+    """`conv_update`, then the residual add and the RMSNorm of the sum: returns
+    (new_residual = residual + y, normed = rms_norm(new_residual, norm_weight, eps), arena)."""
+    y, arena = conv_update(arena, x, weight, rows, active_row, track_row, window_shape=window_shape,
+                           channels=channels, sink_rows=sink_rows)
+    new, normed = residual_norm(y, residual, norm_weight, eps)
+    return new, normed, arena
