@@ -7,6 +7,7 @@ library that calls them (they take arena rows, index arrays and static sizes, no
                  decode_ref.py, decode.py   decode / verify attention reading rings and pages in place
     moe/         ref.py, pallas.py   grouped mat-vec for the routed experts of a few tokens
                  grouped.py          sorted-block grouped GEMMs for the routed experts of many
+    norm/        ref.py, pallas.py   the attention block's per-head q / k RMSNorms in one launch
 
     conv_ops(use_pallas, interpret=False) -> ConvOps
 
@@ -38,6 +39,10 @@ has the reference's signature (`interpret` is bound):
         seq_start, *, page_size, window) -> out, or None (the step gathers the pages then)
     router_epilogue(logits, bias, scale, *, k, route_scale, num_experts) -> (idx, w, gamma):
         layers.route after its matmul, or None (route's jnp then)
+    qk_norm(q, kv, q_weight, k_weight, *, num_heads, num_kv_heads, head_dim, eps)
+        -> (q_normed [T, nh, hd], k_normed [T, nkv, hd]): layers.attention_block's per-head
+        rms_norms of q (the first nh * hd columns of q, read in place) and k (the first half of
+        the k|v conv output, read in place) in one launch, or None (the block's jnp then)
 
 `use_pallas`: False -> the jnp references; True -> the Pallas kernels; "auto" -> Pallas when
 `jax.default_backend() == "gpu"`, the references otherwise. `interpret=True` runs the Pallas
@@ -52,7 +57,7 @@ from typing import Callable
 
 import jax
 
-from . import attention, conv_state, moe, slot_ops
+from . import attention, conv_state, moe, norm, slot_ops
 
 
 @dataclass(frozen=True)
@@ -71,6 +76,7 @@ class ConvOps:
     paged_attention: Callable | None = None  # few queries against full-attention pages read in place
     router_epilogue: Callable | None = None  # the MoE router after its matmul (layers.route's epilogue)
     conv_residual_norm: Callable | None = None  # conv_update + residual add + next RMSNorm (few-token steps)
+    qk_norm: Callable | None = None  # the attention block's per-head q / k RMSNorms (few-token steps)
     pallas: bool = False  # True: the Pallas kernels
     interpret: bool = False
 
@@ -124,7 +130,8 @@ def _pallas_ops(interpret: bool) -> ConvOps:
                                "num_stages"),
         router_epilogue=jitted(moe.router.router_epilogue, "k", "route_scale", "num_experts", "block_rows",
                                "num_warps"),
+        qk_norm=jitted(norm.pallas.qk_norm, "num_heads", "num_kv_heads", "head_dim", "eps", "num_warps"),
         pallas=True, interpret=interpret)
 
 
-__all__ = ["ConvOps", "REFERENCE_OPS", "attention", "conv_ops", "conv_state", "moe", "slot_ops"]
+__all__ = ["ConvOps", "REFERENCE_OPS", "attention", "conv_ops", "conv_state", "moe", "norm", "slot_ops"]

@@ -1,0 +1,186 @@
+"""`pallas_kernels.norm.pallas.qk_norm` (the attention block's per-head q and k RMSNorms in one
+launch) against its reference, `norm.ref.qk_norm` (= `layers.rms_norm` per head).
+
+Interpret mode (CPU): bit for bit in fp32 and bf16, head counts that are powers of two or not
+(masked heads), q read in place from a wider fused row. Compiled on a GPU the mean's sum over
+head_dim runs in Triton's order: the formula with GPU-like sum orders is checked on CPU within
+4 fp32 ulps / 1 bf16 ulp (`test_gpu_sum_order`), and the compiled kernel within the same bound.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import has_cuda_device
+from test_conv_norm_kernel import ulps
+
+import pallas_kernels as pk
+from inkling_jax.config import InklingConfig
+from inkling_jax.model import layers
+from pallas_kernels.norm import pallas as pnorm
+from pallas_kernels.norm import ref as rnorm
+
+INTERPRET = jax.default_backend() != "gpu"
+EPS = 1e-6
+MAX_ULPS = {jnp.float32: 4.0, jnp.bfloat16: 1.0}  # compiled (GPU) bound: see test_gpu_sum_order
+
+
+def inputs(rng, t: int, nh: int, nkv: int, hd: int, dtype, q_extra: int = 0):
+    q = jnp.asarray(3 * rng.standard_normal((t, nh * hd + q_extra)), dtype)
+    kv = jnp.asarray(rng.standard_normal((t, 2 * nkv * hd)), dtype)
+    wq = jnp.asarray(1 + 0.2 * rng.standard_normal((hd,)), dtype)
+    wk = jnp.asarray(1 + 0.2 * rng.standard_normal((hd,)), dtype)
+    return q, kv, wq, wk
+
+
+def call(op, nh, nkv, hd, **kw):
+    return jax.jit(lambda q, kv, wq, wk: op(q, kv, wq, wk, num_heads=nh, num_kv_heads=nkv, head_dim=hd, eps=EPS,
+                                            **kw))
+
+
+def kernel_names(fn, *args) -> list:
+    """The names of the pallas_calls fn traces (sub-jaxprs included: the custom_vjp, the jits)."""
+    def walk(jaxpr):
+        for e in jaxpr.eqns:
+            if e.primitive.name == "pallas_call":
+                yield e.params.get("name")
+                continue
+            for v in e.params.values():
+                for sub in v if isinstance(v, (list, tuple)) else [v]:
+                    if isinstance(sub, jax.extend.core.ClosedJaxpr):
+                        yield from walk(sub.jaxpr)
+                    elif isinstance(sub, jax.extend.core.Jaxpr):
+                        yield from walk(sub)
+    return list(walk(jax.make_jaxpr(fn)(*args).jaxpr))
+
+
+def sum_in_order(sq: np.ndarray, threads: int) -> np.float32:
+    """fp32 sum of a head's squares in a GPU-like order: `threads` threads each summing a
+    strided slice in turn, then a pairwise tree (threads = len: the pure tree)."""
+    a = sq.astype(np.float32)
+    a = np.stack([np.cumsum(a[i::threads], dtype=np.float32)[-1] for i in range(threads)])
+    while a.size > 1:
+        a = (a[0::2] + a[1::2]).astype(np.float32)
+    return a[0]
+
+
+def assert_close(got, want, dtype, what: str) -> None:
+    """Bit for bit in interpret mode; compiled, within MAX_ULPS."""
+    assert got.dtype == want.dtype == dtype and got.shape == want.shape, what
+    if INTERPRET:
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32), err_msg=what)
+    else:
+        assert ulps(got, want) <= MAX_ULPS[dtype], what
+
+
+def test_ref_is_the_layers_norm():
+    """The reference is `layers.rms_norm` per head, as attention_block applies it."""
+    rng = np.random.RandomState(0)
+    for dt in (jnp.float32, jnp.bfloat16):
+        q, kv, wq, wk = inputs(rng, 3, 4, 2, 16, dt)
+        qn, kn = call(rnorm.qk_norm, 4, 2, 16)(q, kv, wq, wk)
+        want_q = jax.jit(layers.rms_norm, static_argnums=2)(q.reshape(3, 4, 16), wq, EPS)
+        want_k = jax.jit(layers.rms_norm, static_argnums=2)(kv[:, :32].reshape(3, 2, 16), wk, EPS)
+        np.testing.assert_array_equal(np.asarray(qn, np.float32), np.asarray(want_q, np.float32))
+        np.testing.assert_array_equal(np.asarray(kn, np.float32), np.asarray(want_k, np.float32))
+
+
+# (tokens T, q heads, k heads, head_dim, extra q columns: q read in place from a wider row)
+SHAPES = {
+    "decode-1": (1, 4, 2, 16, 0),
+    "bench-heads-1": (1, 16, 4, 128, 0),
+    "fused-row-3": (3, 4, 2, 16, 40),  # q = the first 64 columns of a fused q|k|v|r row
+    "odd-heads-2": (2, 3, 1, 16, 8),  # 3 q heads: a [4, hd] tile with the 4th head masked
+    "verify-5": (5, 8, 2, 32, 0),
+}
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("case", list(SHAPES))
+def test_matches_reference(case, dtype):
+    t, nh, nkv, hd, extra = SHAPES[case]
+    rng = np.random.RandomState(sum(map(ord, case)))
+    q, kv, wq, wk = inputs(rng, t, nh, nkv, hd, dtype, extra)
+    kern = call(pnorm.qk_norm, nh, nkv, hd, interpret=INTERPRET)
+    assert kernel_names(kern, q, kv, wq, wk) == ["qk_norm"]
+    got = kern(q, kv, wq, wk)
+    want = call(rnorm.qk_norm, nh, nkv, hd)(q, kv, wq, wk)
+    assert_close(got[0], want[0], dtype, f"{case} q")
+    assert_close(got[1], want[1], dtype, f"{case} k")
+
+
+def test_fallback_is_the_reference():
+    """head_dim 24 (not a power of two: no Triton block) runs the reference: same result, no kernel."""
+    rng = np.random.RandomState(3)
+    q, kv, wq, wk = inputs(rng, 3, 2, 1, 24, jnp.float32)
+    kern = call(pnorm.qk_norm, 2, 1, 24, interpret=INTERPRET)
+    assert kernel_names(kern, q, kv, wq, wk) == []
+    got, want = kern(q, kv, wq, wk), call(rnorm.qk_norm, 2, 1, 24)(q, kv, wq, wk)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_gpu_sum_order(dtype):
+    """The compiled kernel's only difference: the mean's sum over head_dim in Triton's order.
+    The formula with that sum taken in GPU-like orders (`sum_in_order`: a pairwise tree, or
+    32 / 8 strided partial sums then a tree) against the reference on 128-wide heads at three
+    scales: within 4 fp32 ulps / 1 bf16 ulp of each head's largest |value|."""
+    rng = np.random.RandomState(9)
+    worst = 0.0
+    for scale in (1e-3, 1.0, 300.0):
+        x = jnp.asarray(scale * rng.standard_normal((64, 128)), dtype)
+        w = jnp.asarray(1 + 0.2 * rng.standard_normal((128,)), dtype)
+        want = rnorm.rms_norm(x, w, EPS)
+        xf = np.asarray(x, np.float32)
+        for threads in (128, 32, 8):
+            ms = jnp.asarray([sum_in_order(r * r, threads) for r in xf])[:, None] / 128.0
+            xs = jnp.asarray(xf) * jax.lax.rsqrt(ms + EPS)
+            got = (w.astype(dtype) * xs.astype(dtype)).astype(dtype)
+            worst = max(worst, ulps(got, want))
+    assert worst <= MAX_ULPS[dtype], worst
+
+
+def test_gradients_match_reference():
+    """The backward pass is the reference's VJP (custom_vjp): zeros for q's columns past its heads."""
+    rng = np.random.RandomState(5)
+    q, kv, wq, wk = inputs(rng, 2, 4, 2, 16, jnp.float32, q_extra=16)
+    probes = [jnp.asarray(rng.standard_normal(s), jnp.float32) for s in ((2, 4, 16), (2, 2, 16))]
+
+    def grads(op, **kw):
+        def loss(*args):
+            outs = op(*args, num_heads=4, num_kv_heads=2, head_dim=16, eps=EPS, **kw)
+            return sum(jnp.sum(o * p) for o, p in zip(outs, probes))
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(q, kv, wq, wk)
+
+    for i, (g, r) in enumerate(zip(grads(pnorm.qk_norm, interpret=INTERPRET), grads(rnorm.qk_norm))):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-6, atol=1e-6, err_msg=f"grad {i}")
+
+
+def test_ops_wiring():
+    assert pk.REFERENCE_OPS.qk_norm is None
+    assert pk.conv_ops(True, interpret=True).qk_norm is not None
+
+
+@pytest.mark.skipif(has_cuda_device(), reason="abstract CUDA lowering is for machines without a GPU")
+def test_lowers_for_gpu(verify_triton_modules):
+    """The kernel passes the Triton lowering for CUDA at the bench model's heads (16 q heads of
+    128 read from the fused q|k|v|r row; 2 or 4 k heads from the k|v conv output), bf16, at 1
+    and 32 tokens, and with padded heads (3 q heads)."""
+    cfg = InklingConfig.bench()
+    sds = jax.ShapeDtypeStruct
+    hd = cfg.head_dim
+    for nh, nkv in [(cfg.num_heads, cfg.num_kv_heads), (cfg.swa_num_heads, cfg.swa_num_kv_heads), (3, 1)]:
+        for t in (1, 32):
+            args = (sds((t, nh * hd + 2 * nkv * hd + nh * cfg.d_rel), jnp.bfloat16),
+                    sds((t, 2 * nkv * hd), jnp.bfloat16), sds((hd,), jnp.bfloat16), sds((hd,), jnp.bfloat16))
+            fn = lambda q, kv, wq, wk: pnorm.qk_norm(q, kv, wq, wk, num_heads=nh, num_kv_heads=nkv, head_dim=hd,
+                                                     eps=cfg.rms_norm_eps)
+            try:
+                text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+            except (ImportError, NotImplementedError) as exc:
+                pytest.skip(f"no Triton lowering here: {exc}")
+            assert "xla.gpu.triton" in text and "qk_norm" in text
+    assert len(verify_triton_modules) >= 1
