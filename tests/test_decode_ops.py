@@ -15,7 +15,9 @@ quietly bring them back:
   the kernel (no `attention_tables` product or its fusions);
 * each residual conv ("attn", "mlp") adds the residual and computes the norm after it in its
   kernel (`conv_update_residual_norm`): the only RMSNorm of the residual stream left outside a
-  kernel is the first layer's attn_norm (the per-head q / k norms and embed_norm aside).
+  kernel is the first layer's attn_norm (the per-head q / k norms and embed_norm aside);
+* the per-head q / k norms are one `qk_norm` kernel per layer reading q and k in place: no
+  op of `rms_norm` left under the attention's `norm` scope.
 """
 
 from __future__ import annotations
@@ -101,3 +103,9 @@ def test_decode_loop_body(batch):
     stream_norms = [op[2] for op in body if op[0] == "rsqrt" and not op[4]
                     and not op[2].endswith(("attention/norm", "embed/norm"))]
     assert stream_norms == ["norm"], stream_norms
+    # the per-head q / k norms: one qk_norm kernel per layer (q read in place from the fused
+    # projection, k from the conv output), no reduction or rsqrt of rms_norm under the
+    # attention's `norm` scope, and no slice of q or k left for them
+    assert kernels.count("qk_norm") == cfg.num_layers
+    head_norms = [op for op in body if not op[4] and "layer/attention" in op[2] and "norm" in op[2].split("/")]
+    assert head_norms == [], head_norms

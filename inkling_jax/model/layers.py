@@ -16,6 +16,8 @@ Optional context attributes, read with `getattr(ctx, name, None)` (absent = sing
     ctx.few_token_matvec    y[i] = x[i] @ w[idx[i]] (fp32), the shared experts of few tokens (a kernel)
     ctx.conv_residual_norm  (stream, a, weight, x, norm_weight) -> (x + conv(a), its rms_norm): a
                             residual conv and the norm after it in one kernel (`residual_conv_norm`)
+    ctx.qk_norm             a `pallas_kernels.norm.ref.qk_norm`-like function: the per-head q and k
+                            RMSNorms of a few tokens in one kernel (`attention_block`)
     ctx.parallel            a `inkling_jax.parallel.ParallelAxes`: the layer runs as one shard
                             of a mesh-sharded model, inside `shard_map`, on the plan's *local*
                             params (see `inkling_jax/parallel/plan.py`)
@@ -257,15 +259,19 @@ def attention_core(
     return out.astype(dtype).reshape(b, tq, nh, hd)
 
 
-def split_qkvr(p: Params, x: Array, geom: AttentionGeometry, cfg: InklingConfig, matvec: Any = None
-               ) -> tuple[Array, Array, Array]:
+def split_qkvr(p: Params, x: Array, geom: AttentionGeometry, cfg: InklingConfig, matvec: Any = None,
+               q_rows: bool = False) -> tuple[Array, Array, Array]:
     """The q / k|v / r projections, from a fused `wqkvr` [H, q|k|v|r] or separate weights:
     (q, kv, r) with k and v side by side in kv [..., 2 * kv_dim] (one slice of the fused
-    product: separate k and v slices joined again cost two launches per layer on the GPU)."""
+    product: separate k and v slices joined again cost two launches per layer on the GPU).
+
+    q_rows: return the whole fused product in q's place (its first q_dim columns are q), for a
+    kernel that reads q in place (`ctx.qk_norm`): on the GPU a slice handed to a kernel is a
+    copy of its own (with separate weights q is returned as is)."""
     if "wqkvr" in p:
         y = linear(x, p["wqkvr"], matvec)
         qd, kd = geom.q_dim, geom.kv_dim
-        return y[..., :qd], y[..., qd:qd + 2 * kd], y[..., qd + 2 * kd:]
+        return y if q_rows else y[..., :qd], y[..., qd:qd + 2 * kd], y[..., qd + 2 * kd:]
     return linear(x, p["wq"]), jnp.concatenate([linear(x, p["wk"]), linear(x, p["wv"])], axis=-1), linear(x, p["wr"])
 
 
@@ -283,19 +289,47 @@ def with_kv_conv(params: Params) -> Params:
     return {**params, "layers": layers}
 
 
+# tokens up to which attention_block takes `ctx.qk_norm` (one program per token row). Decode,
+# verify and the MTP depths of batches up to 256 rows are below it: there the norms are a few
+# launches of almost no work, and the kernel is one. Prefill chunks above keep rms_norm, whose
+# epilogue XLA can fuse into the attention's per-row gathers of q and k; the kernel is unmeasured
+# at thousands of rows
+QK_NORM_MAX_TOKENS = 256
+
+
 @jax.named_scope("attention")
 def attention_block(p: Params, cfg: InklingConfig, geom: AttentionGeometry, x: Array, ctx: LayerContext) -> Array:
-    """Projections, k/v short convs, q/k RMSNorm, attention through ctx, output projection."""
+    """Projections, k/v short convs, q/k RMSNorm, attention through ctx, output projection.
+
+    The per-head q / k RMSNorms go through `ctx.qk_norm` (a `pallas_kernels.norm.ref.qk_norm`-
+    like function: one kernel reading q from the fused projection and k from the conv output
+    in place) where the context has one and there are at most QK_NORM_MAX_TOKENS tokens; else
+    `rms_norm` per head. Same result either way."""
     lead = x.shape[:-1]
     # one token (batch-1 decode): the projections through the context's mat-vec kernel
     matvec = getattr(ctx, "few_token_matvec", None)
-    q, kv, r = split_qkvr(p, x, geom, cfg, matvec)
+    # few tokens: both per-head norms in one kernel reading q and k in place (see QK_NORM_MAX_TOKENS)
+    qk_norm = getattr(ctx, "qk_norm", None)
+    if qk_norm is not None and math.prod(lead) > QK_NORM_MAX_TOKENS:
+        qk_norm = None
+    q, kv, r = split_qkvr(p, x, geom, cfg, matvec, q_rows=qk_norm is not None)
     # k and v convs are depthwise and adjacent in the conv state: one call over both
     kv = ctx.conv("kv", kv, kv_conv_weight(p))
-    k, v = kv[..., :geom.kv_dim], kv[..., geom.kv_dim:]
-    q = rms_norm(q.reshape(*lead, geom.num_heads, geom.head_dim), p["q_norm"], cfg.rms_norm_eps)
-    k = rms_norm(k.reshape(*lead, geom.num_kv_heads, geom.head_dim), p["k_norm"], cfg.rms_norm_eps)
-    v = v.reshape(*lead, geom.num_kv_heads, geom.head_dim)
+    if qk_norm is not None:
+        # head counts from the shapes (under a mesh: this shard's heads): r holds d_rel values
+        # per q head, kv head_dim k then head_dim v values per kv head
+        hd = geom.head_dim
+        nh, nkv = r.shape[-1] // cfg.d_rel, kv.shape[-1] // (2 * hd)
+        with jax.named_scope("qk_norm"):
+            q, k = qk_norm(q.reshape(-1, q.shape[-1]), kv.reshape(-1, kv.shape[-1]), p["q_norm"], p["k_norm"],
+                           num_heads=nh, num_kv_heads=nkv, head_dim=hd, eps=cfg.rms_norm_eps)
+        q, k = q.reshape(*lead, nh, hd), k.reshape(*lead, nkv, hd)
+        v = kv[..., nkv * hd:].reshape(*lead, nkv, hd)
+    else:
+        k, v = kv[..., :geom.kv_dim], kv[..., geom.kv_dim:]
+        q = rms_norm(q.reshape(*lead, geom.num_heads, geom.head_dim), p["q_norm"], cfg.rms_norm_eps)
+        k = rms_norm(k.reshape(*lead, geom.num_kv_heads, geom.head_dim), p["k_norm"], cfg.rms_norm_eps)
+        v = v.reshape(*lead, geom.num_kv_heads, geom.head_dim)
     r = r.reshape(*lead, geom.num_heads, cfg.d_rel)
     o = ctx.attend(q, k, v, r, p["rel_proj"], geom)
     return tp_psum(linear(o.reshape(*lead, geom.q_dim), p["wo"], matvec), getattr(ctx, "parallel", None))

@@ -86,6 +86,7 @@ class StepContext:
         self.many_token_experts = ops.moe_experts_many
         self.few_token_matvec = ops.grouped_matvec  # also a lone token's projections (layers.attention_block)
         self.router_epilogue = ops.router_epilogue
+        self.qk_norm = ops.qk_norm  # the per-head q / k norms of few tokens (layers.attention_block)
 
     def bind(self, fields: LayerSlotFields, page_layer: int | None) -> "StepContext":
         self.fields, self.page_layer = fields, page_layer
