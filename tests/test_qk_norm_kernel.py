@@ -16,6 +16,7 @@ import pytest
 from conftest import has_cuda_device
 from test_conv_norm_kernel import ulps
 
+import inkling_jax as ik
 import pallas_kernels as pk
 from inkling_jax.config import InklingConfig
 from inkling_jax.model import layers
@@ -184,3 +185,43 @@ def test_lowers_for_gpu(verify_triton_modules):
                 pytest.skip(f"no Triton lowering here: {exc}")
             assert "xla.gpu.triton" in text and "qk_norm" in text
     assert len(verify_triton_modules) >= 1
+
+
+class _Ctx:
+    """A layer context whose conv is the identity and whose attention returns q plus the
+    broadcast k and v sums (so the result depends on q, k and v): enough to run attention_block."""
+
+    def __init__(self, qk_norm=None):
+        self.qk_norm = qk_norm
+
+    def conv(self, stream, x, weight):
+        return x
+
+    def attend(self, q, k, v, r, rel_proj, geom):
+        return q + (k.sum(-2, keepdims=True) + v.sum(-2, keepdims=True)).astype(q.dtype) + 0 * r[..., :1]
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_attention_block_uses_it_up_to_the_bound(monkeypatch, dtype):
+    """attention_block with `ctx.qk_norm` (q read from the fused projection) equals the block
+    without it bit for bit, and takes the kernel for at most QK_NORM_MAX_TOKENS tokens.
+
+    Both compiled without XLA's excess precision: by default XLA may keep the jnp norm's bf16
+    result in fp32 for the ops it fuses it with (skipping a rounding that rms_norm asks for),
+    which no kernel output can match; with the rounding kept the two agree bit for bit."""
+    cfg = InklingConfig.tiny()
+    geom = cfg.layer_geometry(0)
+    params = jax.tree.map(lambda a: a.astype(dtype),
+                          layers.with_kv_conv(ik.init_params(cfg, jax.random.PRNGKey(0)))["layers"][0]["attn"])
+    params = {**params, "q_norm": params["q_norm"] + 0.1, "k_norm": params["k_norm"] - 0.1}
+    x = jnp.asarray(np.random.RandomState(1).standard_normal((5, cfg.hidden_size)), dtype)
+    monkeypatch.setattr(layers, "QK_NORM_MAX_TOKENS", 5)
+    kernel = pk.conv_ops(True, interpret=INTERPRET).qk_norm
+    block = lambda ctx: jax.jit(lambda p, x: layers.attention_block(p, cfg, geom, x, ctx))
+    exact = lambda fn: fn.lower(params, x).compile(compiler_options={"xla_allow_excess_precision": False})
+    want = exact(block(_Ctx()))(params, x)
+    got = exact(block(_Ctx(kernel)))(params, x)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    assert "qk_norm" in kernel_names(block(_Ctx(kernel)), params, x)
+    monkeypatch.setattr(layers, "QK_NORM_MAX_TOKENS", 4)
+    assert "qk_norm" not in kernel_names(block(_Ctx(kernel)), params, x)
