@@ -59,6 +59,32 @@ def test_grouped_matvec(case):
     close(y, moe_ref.grouped_matvec(x, idx, w), rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("x_repeat", [1, 3])
+def test_grouped_matvec_x_repeat_and_clamp(dtype, x_repeat):
+    """Row i reads x[i // x_repeat] in place and the kernel clamps the ids to [0, E) itself:
+    bit for bit the kernel on jnp.repeat(x) with pre-clipped ids (the same products and sums),
+    and the reference within the summation-order tolerance; out-of-range ids (-3, E, E + 5)
+    read the clamped expert."""
+    rng = np.random.default_rng(50 + x_repeat)
+    mx, h, f = 2, 128, 64
+    x, w = rand(rng, (mx, h), dtype), rand(rng, (E, h, f), dtype)
+    ids = [-3, E, 2, E + 5, 0, E - 1][:mx * x_repeat] if x_repeat > 1 else [E + 5, -1]
+    idx = jnp.asarray(ids, jnp.int32)
+    y = moe.grouped_matvec(x, idx, w, x_repeat=x_repeat, **SMALL, interpret=INTERPRET)
+    assert y.shape == (mx * x_repeat, f) and y.dtype == jnp.float32
+    x_rep, clipped = jnp.repeat(x, x_repeat, axis=0), jnp.clip(idx, 0, E - 1)
+    base = moe.grouped_matvec(x_rep, clipped, w, **SMALL, interpret=INTERPRET)
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(base))
+    close(y, ref_matvec(x_rep, clipped, w), rtol=1e-5, atol=1e-4)
+    close(y, moe_ref.grouped_matvec(x, idx, w, x_repeat), rtol=1e-5, atol=1e-4)
+    # the jaxpr outside the kernel: no clamp of the ids, no repeat (broadcast) of x
+    jaxpr = jax.make_jaxpr(lambda x, i, w: moe.grouped_matvec(x, i, w, x_repeat=x_repeat, **SMALL,
+                                                               interpret=INTERPRET))(x, idx, w)
+    outside = [e.primitive.name for e in jaxpr.jaxpr.eqns]
+    assert "pallas_call" in str(jaxpr) and not {"clamp", "max", "min", "broadcast_in_dim"} & set(outside), outside
+
+
 def test_grouped_matvec_defaults_and_loop():
     """The default tiling once (tf=128, bh=64: grid (2, 2, 4)), and the fori_loop block walk
     (h / bh / S = 32 blocks per program)."""
@@ -200,6 +226,9 @@ def test_moe_lowers_for_gpu(verify_triton_modules):
               sds((32, 2048, 2048), wd), sds((32, 1024, 2048), bf))
     lower(lambda x, i, w: moe.grouped_matvec(x, i, w, splits=1), sds((4, 6144), bf), sds((4,), i32),
           sds((256, 6144, 2048), bf))
+    # the bench model's shared experts: one token's row read for its S = 2 experts in place
+    lower(lambda x, i, w: moe.grouped_matvec(x, i, w, x_repeat=2), sds((1, 2048), bf), sds((2,), i32),
+          sds((2, 2048, 2048), bf))
 
 
 # ------------------------------------------------------------ many tokens: grouped GEMMs
@@ -304,7 +333,7 @@ def test_shared_experts_through_the_matvec_kernel(n, dtype):
     rng = np.random.default_rng(40 + n)
     x = rand(rng, (n, cfg.hidden_size), dtype)
     gamma = jnp.asarray(rng.uniform(0.1, 1.0, (n, cfg.n_shared_experts)), jnp.float32)
-    matvec = lambda *a: moe.grouped_matvec(*a, **SMALL, interpret=INTERPRET)
+    matvec = lambda *a, **kw: moe.grouped_matvec(*a, **kw, **SMALL, interpret=INTERPRET)
     got = layers.shared_experts(p, cfg, x, gamma, matvec=matvec)
     want = layers.shared_experts(p, cfg, x, gamma)
     assert got.shape == (n, cfg.hidden_size) and got.dtype == jnp.float32
@@ -313,7 +342,7 @@ def test_shared_experts_through_the_matvec_kernel(n, dtype):
     close(got, want, **tol)
 
     calls = []
-    spy = lambda *a: calls.append(a[1].shape[0]) or matvec(*a)
+    spy = lambda *a, **kw: calls.append(a[1].shape[0]) or matvec(*a, **kw)
     few = lambda *a: moe.moe_experts(*a, **SMALL, interpret=INTERPRET)
     got_mlp = layers.moe_mlp(p, cfg, x, few_token_experts=few, few_token_matvec=spy)
     assert calls == [n * cfg.n_shared_experts] * 2  # w13 and w2

@@ -13,7 +13,8 @@ so one copy of the layer math serves the reference path (`forward.py`) and the c
 Optional context attributes, read with `getattr(ctx, name, None)` (absent = single device):
 
     ctx.few_token_experts   a moe_experts_slices-like function for few-token MoE (a kernel)
-    ctx.few_token_matvec    y[i] = x[i] @ w[idx[i]] (fp32), the shared experts of few tokens (a kernel)
+    ctx.few_token_matvec    y[i] = x[i // x_repeat] @ w[idx[i]] (fp32), the shared experts of few tokens
+                            (a kernel)
     ctx.conv_residual_norm  (stream, a, weight, x, norm_weight) -> (x + conv(a), its rms_norm): a
                             residual conv and the norm after it in one kernel (`residual_conv_norm`)
     ctx.parallel            a `inkling_jax.parallel.ParallelAxes`: the layer runs as one shard
@@ -437,8 +438,9 @@ def shared_experts(p: Params, cfg: InklingConfig, flat: Float[Array, "n h"], gam
     """The shared experts' summed output (fp32), each weighted by its sink gamma (the router's
     renormalised weight) when the config says so.
 
-    matvec: a `pallas_kernels.moe.pallas.grouped_matvec`-like function (y[i] = x[i] @ w[idx[i]],
-    fp32) for a few tokens: row t * S + s is token t through expert s, reading each expert's
+    matvec: a `pallas_kernels.moe.pallas.grouped_matvec`-like function (y[i] = x[i // x_repeat]
+    @ w[idx[i]], fp32) for a few tokens: row t * S + s is token t through expert s (x_repeat = S:
+    the kernel reads each token's row in place, no repeated copy), reading each expert's
     [h, 2f] / [f, h] matrix in place (the batched einsum below made XLA's GPU layout copy the
     whole shared_w13 to [h, S, 2f] in every decode step). Same math and roundings either way."""
     n = flat.shape[0]
@@ -446,7 +448,7 @@ def shared_experts(p: Params, cfg: InklingConfig, flat: Float[Array, "n h"], gam
     if matvec is not None:
         s = p["shared_w13"].shape[0]
         idx = jnp.tile(jnp.arange(s, dtype=jnp.int32), n)  # [n * S]: token-major
-        gu = matvec(jnp.repeat(flat, s, axis=0), idx, p["shared_w13"])  # [n * S, 2f] fp32
+        gu = matvec(flat, idx, p["shared_w13"], x_repeat=s)  # [n * S, 2f] fp32; row i reads flat[i // S]
         half = gu.shape[-1] // 2
         act = jax.nn.silu(gu[:, :half]) * gu[:, half:]
         if gated:

@@ -1,8 +1,9 @@
 """Pallas kernel for the routed experts of a MoE layer when a handful of tokens decode.
 
-    grouped_matvec(x, idx, w) -> y      y[i] = x[i] @ w[idx[i]], fp32
-        x [m, h] (bf16 or fp32), idx [m] int32 expert ids in [0, E), w [E, h, F] (any float
-        dtype, cast to x's dtype as the reference does), y [m, F] float32
+    grouped_matvec(x, idx, w, *, x_repeat=1) -> y      y[i] = x[i // x_repeat] @ w[idx[i]], fp32
+        x [m / x_repeat, h] (bf16 or fp32), idx [m] int32 expert ids (clamped to [0, E) in the
+        kernel), w [E, h, F] (any float dtype, cast to x's dtype as the reference does),
+        y [m, F] float32
     moe_experts(x, idx, weight, w13, w2) -> [n, h] in x's dtype
         `ref.moe_experts`' signature and semantics (x [n, h], idx / weight [n, k],
         w13 [E, h, 2f] gate | up halves, w2 [E, f, h])
@@ -18,9 +19,9 @@ selected expert's [h, F] matrix exactly once per row, with hundreds of programs 
 
 Work split. `grouped_matvec` runs one program per (row i, column tile j of `tf` columns,
 contracting split s of `S`): the h axis is cut into S chunks of h/S rows, each walked in
-blocks of `bh` rows. The program reads its row's expert id e = idx[i] (the Triton lowering
+blocks of `bh` rows. The program reads its row's expert id e = clip(idx[i], 0, E - 1) (the Triton lowering
 has no scalar prefetch: idx is an ordinary whole-array input, and w is passed whole so the
-kernel can address any expert by a dynamic index), then for each block loads x[i, rows]
+kernel can address any expert by a dynamic index), then for each block loads x[i // x_repeat, rows]
 [bh] and w[e, rows, cols] [bh, tf], and accumulates x[:, None] * w in an fp32 [bh, tf]
 register tile; one reduction over its rows at the end gives the partial sums it writes to
 part[i, s, cols] (fp32 [m, S, F]). The wrapper sums part over S in fp32 (jnp; XLA can
@@ -33,8 +34,11 @@ defaults (tf=128, bh=64, num_warps=4):
 
 The block loop is unrolled in Python up to `MAX_UNROLL` blocks (so the independent weight
 loads of a program are issued back to back), a `fori_loop` past that. Offsets into w are
-64-bit in the Triton lowering once w passes 4 GiB; expert ids are clipped to [0, E) first
-(the reference's dynamic slice clamps too), so no id can address outside w.
+64-bit in the Triton lowering once w passes 4 GiB; expert ids are clamped to [0, E) by the
+kernel (a scalar min / max per program, where an XLA clip before the launch was one more
+launch; the reference clamps too), so no id can address outside w. x_repeat > 1 reads one row
+of x for x_repeat consecutive output rows (a token through several experts) in place, where a
+`jnp.repeat` copy of x was one more launch.
 
 Shapes. tf and bh are powers of two (Triton's block shapes must be): the kernel uses
 tf' = min(tf, largest power of two dividing F) and bh' = min(bh, largest power of two
@@ -43,7 +47,7 @@ factor), or for empty / malformed inputs, the functions fall back to the referen
 (`ref.grouped_matvec`, `ref.moe_experts`); there is no masking.
 
 `moe_experts` flattens the choices to m = n * k rows (row t * k + j is token t, choice j; x
-repeated per choice) and computes gu = grouped_matvec(x_rep, idx, w13), act = (silu(gate) *
+read per choice with x_repeat = k) and computes gu = grouped_matvec(x, idx, w13), act = (silu(gate) *
 up) in x's dtype, y = grouped_matvec(act, idx, w2) rounded to x's dtype, then
 out[t] = sum_j weight[t, j] * y[t, j] in fp32 (the reference's order, j = 0 .. k-1), cast to
 x's dtype.
@@ -103,23 +107,27 @@ def grid_for(m: int, h: int, f: int, *, tf: int = TF, bh: int = BH, splits: int 
     return None if plan is None else (m, f // plan[0], plan[2])
 
 
-def _partials(x, idx, w, tf: int, bh: int, s: int, num_warps: int, interpret: bool) -> Array:
-    """part[i, s, :] = x[i, chunk s] @ w[idx[i], chunk s], fp32 [m, S, F]."""
-    m, h = x.shape
-    f = w.shape[-1]
+def _partials(x, idx, w, tf: int, bh: int, s: int, num_warps: int, interpret: bool, x_repeat: int = 1) -> Array:
+    """part[i, s, :] = x[i // x_repeat, chunk s] @ w[clip(idx[i], 0, E - 1), chunk s], fp32
+    [m, S, F] with m = len(idx) = x_repeat * len(x)."""
+    h = x.shape[1]
+    m = idx.shape[0]
+    n_experts, f = w.shape[0], w.shape[-1]
     chunk = h // s
     nb = chunk // bh
     dtype = x.dtype
 
     def kernel(idx_ref, x_ref, w_ref, o_ref):
         i, j, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-        e = idx_ref[i]
+        # the id clamped here, not by an XLA op before the launch: no id can address outside w
+        e = jnp.minimum(jnp.maximum(idx_ref[i], 0), n_experts - 1)
+        r = i // x_repeat if x_repeat > 1 else i  # x's row read in place (no repeated copy of x)
         cols = pl.ds(pl.multiple_of(j * tf, tf), tf)
         base = c * chunk
 
         def block(b, acc):
             rows = pl.ds(pl.multiple_of(base + b * bh, bh), bh)
-            xb = x_ref[i, rows].astype(jnp.float32)
+            xb = x_ref[r, rows].astype(jnp.float32)
             wb = w_ref[e, rows, cols]
             if wb.dtype != dtype:
                 wb = wb.astype(dtype)  # the reference's w.astype(x.dtype)
@@ -135,39 +143,44 @@ def _partials(x, idx, w, tf: int, bh: int, s: int, num_warps: int, interpret: bo
 
     return pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((m, s, f), jnp.float32), grid=(m, f // tf, s),
                        aliases={}, interpret=interpret, num_warps=num_warps, name="moe_grouped_matvec")(
-        jnp.clip(idx.astype(jnp.int32), 0, w.shape[0] - 1), x, w)
+        idx.astype(jnp.int32), x, w)
 
 
-def _grouped_matvec_fwd(x, idx, w, *, tf: int, bh: int, splits: int | None, num_warps: int, target_programs: int,
-                        interpret: bool) -> Array:
+def _grouped_matvec_fwd(x, idx, w, *, x_repeat: int = 1, tf: int, bh: int, splits: int | None, num_warps: int,
+                        target_programs: int, interpret: bool) -> Array:
     """grouped_matvec without its custom VJP: the kernel, or the reference where the shapes need it."""
-    if x.ndim != 2 or w.ndim != 3 or idx.shape != x.shape[:1] or w.shape[1] != x.shape[1]:
-        return ref.grouped_matvec(x, idx, w)
-    m, h = x.shape
+    if (x.ndim != 2 or w.ndim != 3 or idx.ndim != 1 or x_repeat < 1 or idx.shape[0] != x.shape[0] * x_repeat
+            or w.shape[1] != x.shape[1]):
+        return ref.grouped_matvec(x, idx, w, x_repeat)
+    m, h = idx.shape[0], x.shape[1]
     plan = _plan(m, h, w.shape[2], tf, bh, splits, target_programs)
     if plan is None:
-        return ref.grouped_matvec(x, idx, w)
+        return ref.grouped_matvec(x, idx, w, x_repeat)
     tf_, bh_, s = plan
-    part = _partials(x, idx, w, tf_, bh_, s, num_warps, interpret)
+    part = _partials(x, idx, w, tf_, bh_, s, num_warps, interpret, x_repeat)
     return part[:, 0] if s == 1 else jnp.sum(part, axis=1)
 
 
-def grouped_matvec(x: Float[Array, "m h"], idx: Int[Array, "m"], w: Float[Array, "E h F"], *,
+def grouped_matvec(x: Float[Array, "mx h"], idx: Int[Array, "m"], w: Float[Array, "E h F"], *, x_repeat: int = 1,
                    tf: int = TF, bh: int = BH, splits: int | None = None, num_warps: int = NUM_WARPS,
                    target_programs: int = TARGET_PROGRAMS, interpret: bool = False) -> Float[Array, "m F"]:
-    """y[i] = x[i] @ w[idx[i]].astype(x.dtype), accumulated and returned in fp32.
+    """y[i] = x[i // x_repeat] @ w[clip(idx[i], 0, E - 1)].astype(x.dtype), accumulated and
+    returned in fp32 (m = x_repeat * mx rows: x_repeat > 1 reads each row of x for x_repeat
+    consecutive rows of y in place, instead of a `jnp.repeat` copy).
 
     tf / bh: column tile and row block (powers of two, shrunk to divide F / h); splits: the
     number S of contracting chunks (default: the smallest power of two reaching
     `target_programs` programs). See the module docstring."""
-    kw = dict(tf=tf, bh=bh, splits=splits, num_warps=num_warps, target_programs=target_programs, interpret=interpret)
+    kw = dict(x_repeat=x_repeat, tf=tf, bh=bh, splits=splits, num_warps=num_warps, target_programs=target_programs,
+              interpret=interpret)
     kernel_fn = lambda x, idx, w: _grouped_matvec_fwd(x, idx, w, **kw)
-    return with_ref_vjp(kernel_fn, ref.grouped_matvec)(x, idx, w)
+    return with_ref_vjp(kernel_fn, lambda x, idx, w: ref.grouped_matvec(x, idx, w, x_repeat))(x, idx, w)
 
 
 def _moe_kernel(x, idx, weight, w13, w2, kw) -> Array:
     # moe_experts' own VJP covers both products: the forward-only grouped mat-vec here
-    return ref.combine_choices(x, idx, weight, w13, w2, lambda xr, e, w: _grouped_matvec_fwd(xr, e, w, **kw))
+    return ref.combine_choices(x, idx, weight, w13, w2,
+                               lambda xr, e, w, x_repeat: _grouped_matvec_fwd(xr, e, w, x_repeat=x_repeat, **kw))
 
 
 def moe_experts(x: Float[Array, "n h"], idx: Int[Array, "n k"], weight: Float[Array, "n k"], w13: Array,
