@@ -543,7 +543,8 @@ def test_engine_with_pallas_kernels_matches_jnp(trunk_params, monkeypatch):
 
     def spy(name, kernel):
         def fn(x, *a, **k):  # runs when the step is traced
-            traced[name].append(k.get("ring") if name == "in_place" else x.shape)
+            traced[name].append(k.get("ring") if name == "in_place" else
+                                (x.shape, k.get("x_repeat", 1)) if name == "shared" else x.shape)
             return kernel(x, *a, **k)
         return fn
 
@@ -570,8 +571,9 @@ def test_engine_with_pallas_kernels_matches_jnp(trunk_params, monkeypatch):
     assert traced["experts"] and min(s[0] for s in traced["experts"]) * TRUNK.num_experts_per_tok >= 8 * 8
     assert len(traced["attention"]) == 2 and traced["attention"][0][1] >= 32  # traced once per window kind
     assert None in traced["in_place"] and any(r is not None for r in traced["in_place"])  # paged and ring kernels
-    assert (TRUNK.n_shared_experts, TRUNK.hidden_size) in traced["shared"]  # one token's shared experts
-    assert (1, TRUNK.hidden_size) in traced["shared"]  # one token's attention projections
+    # one token's shared experts (its row read in place for the S experts), its attention projections
+    assert ((1, TRUNK.hidden_size), TRUNK.n_shared_experts) in traced["shared"]
+    assert ((1, TRUNK.hidden_size), 1) in traced["shared"]
     width = TRUNK.n_routed_experts + TRUNK.n_shared_experts
     assert (1, width) in traced["router"] and any(n > 1 for n, _ in traced["router"])  # decode and prefill
     assert out[True][0] == out[False][0]
