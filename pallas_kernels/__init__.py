@@ -26,6 +26,9 @@ has the reference's signature (`interpret` is bound):
     moe_experts(x, idx, weight, w13, w2) -> y, or None for the references (the model's MoE
         then picks its own jnp implementation)
     moe_experts_many(x, idx, weight, w13, w2) -> y, the same for many tokens, or None
+    moe_experts_with_shared(x, idx, weight, w13, w2, shared_w13, shared_w2, gamma, *, gated) -> y:
+        moe_experts plus the shared experts added as layers.moe_mlp adds them, each product of
+        both in one grouped mat-vec launch (few tokens, single device), or None
     grouped_matvec(x, idx, w, *, x_repeat=1) -> y [m, F] fp32, y[i] = x[i // x_repeat] @ w[idx[i]]
         (ids clamped to [0, E) in the kernel): the shared experts of a few tokens
         (layers.shared_experts' matvec) and a lone token's attention projections (layers.matmul's
@@ -67,6 +70,7 @@ class ConvOps:
     moe_experts: Callable | None = None  # few-token routed experts (layers.moe_mlp's few_token_experts)
     moe_experts_many: Callable | None = None  # many-token routed experts (layers.moe_mlp's many_token_experts)
     grouped_matvec: Callable | None = None  # y[i] = x[i] @ w[idx[i]] (layers.shared_experts' matvec, few tokens)
+    moe_experts_with_shared: Callable | None = None  # few-token routed + shared experts (layers.moe_mlp)
     attention: Callable | None = None  # fused attention of many queries (steps.context.StepContext.attend)
     ring_attention: Callable | None = None  # few queries against sliding rings read in place (decode / verify)
     paged_attention: Callable | None = None  # few queries against full-attention pages read in place
@@ -117,6 +121,8 @@ def _pallas_ops(interpret: bool) -> ConvOps:
         clear_units=jitted(slot_ops.pallas.clear_units, *units),
         moe_experts=jitted(moe.pallas.moe_experts, "tf", "bh", "splits", "num_warps", "target_programs"),
         moe_experts_many=jitted(moe.grouped.moe_experts_grouped, "bm", "bn", "bk", "num_warps", "num_stages"),
+        moe_experts_with_shared=jitted(moe.pallas.moe_experts_with_shared, "gated", "tf", "bh", "splits",
+                                       "num_warps", "target_programs"),
         grouped_matvec=jitted(moe.pallas.grouped_matvec, "x_repeat", "tf", "bh", "splits", "num_warps",
                               "target_programs"),
         attention=jitted(attention.pallas.attention, "window", "bq", "bk", "num_warps", "num_stages"),

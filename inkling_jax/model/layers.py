@@ -15,6 +15,8 @@ Optional context attributes, read with `getattr(ctx, name, None)` (absent = sing
     ctx.few_token_experts   a moe_experts_slices-like function for few-token MoE (a kernel)
     ctx.few_token_matvec    y[i] = x[i // x_repeat] @ w[idx[i]] (fp32), the shared experts of few tokens
                             (a kernel)
+    ctx.few_token_experts_with_shared   the routed + shared experts of few tokens in one call
+                            (`moe_mlp`'s few_token_experts_with_shared; a kernel)
     ctx.conv_residual_norm  (stream, a, weight, x, norm_weight) -> (x + conv(a), its rms_norm): a
                             residual conv and the norm after it in one kernel (`residual_conv_norm`)
     ctx.parallel            a `inkling_jax.parallel.ParallelAxes`: the layer runs as one shard
@@ -477,7 +479,8 @@ def shared_experts(p: Params, cfg: InklingConfig, flat: Float[Array, "n h"], gam
 @jax.named_scope("moe")
 def moe_mlp(p: Params, cfg: InklingConfig, x: Array, experts_impl: str = "auto",
             few_token_experts: Any = None, parallel: "ParallelAxes | None" = None,
-            many_token_experts: Any = None, few_token_matvec: Any = None, router_epilogue: Any = None) -> Array:
+            many_token_experts: Any = None, few_token_matvec: Any = None, router_epilogue: Any = None,
+            few_token_experts_with_shared: Any = None) -> Array:
     """MoE: routed top-k experts plus shared experts (sink-weighted or plain).
 
     experts_impl: a MOE_IMPLS name, or "auto": a few tokens read only their experts (one slice
@@ -487,7 +490,12 @@ def moe_mlp(p: Params, cfg: InklingConfig, x: Array, experts_impl: str = "auto",
     when given (same signature: the Pallas sorted-block grouped GEMMs, which compute only the
     chosen experts; below that their padding of each expert's rows costs more than dense).
     `few_token_matvec` (the grouped mat-vec kernel) computes the shared experts where
-    `few_token_experts` computes the routed. `router_epilogue`: see `route`.
+    `few_token_experts` computes the routed. `few_token_experts_with_shared` (a
+    `pallas_kernels.moe.pallas.moe_experts_with_shared`-like function): where the few-token
+    experts are chosen and shared experts exist, the routed and the shared experts and their
+    sum in one call instead (one grouped mat-vec launch per product for both; the same math);
+    single device only: under `parallel` (shared experts counted on ep rank 0) the separate
+    calls run. `router_epilogue`: see `route`.
 
     With `parallel`, cfg is the local config (E / ep experts of width F / tp here) and the
     router runs on `parallel.global_cfg` (see the module docstring)."""
@@ -506,6 +514,12 @@ def moe_mlp(p: Params, cfg: InklingConfig, x: Array, experts_impl: str = "auto",
         if experts_impl == "dense" and many and many_token_experts is not None:
             experts_impl = many_token_experts
     fn = experts_impl if callable(experts_impl) else MOE_IMPLS[experts_impl]
+    if (few_token_experts_with_shared is not None and few_token_experts is not None and fn is few_token_experts
+            and cfg.n_shared_experts > 0 and parallel is None):
+        with jax.named_scope("routed_and_shared_experts"):
+            out = few_token_experts_with_shared(flat, idx, w, p["w13"], p["w2"], p["shared_w13"], p["shared_w2"],
+                                                gamma, gated=bool(cfg.shared_expert_sink and cfg.norm_after_topk))
+        return out.astype(x.dtype).reshape(*lead, x.shape[-1])
     with jax.named_scope("routed_experts"):
         out = fn(flat, idx, w, p["w13"], p["w2"]).astype(jnp.float32)
     if cfg.n_shared_experts > 0:
@@ -519,12 +533,13 @@ def moe_mlp(p: Params, cfg: InklingConfig, x: Array, experts_impl: str = "auto",
 
 def mlp(p: Params, cfg: InklingConfig, dense: bool, x: Array, few_token_experts: Any = None,
         parallel: "ParallelAxes | None" = None, many_token_experts: Any = None,
-        few_token_matvec: Any = None, router_epilogue: Any = None) -> Array:
+        few_token_matvec: Any = None, router_epilogue: Any = None, few_token_experts_with_shared: Any = None
+        ) -> Array:
     if dense:
         return dense_mlp(p, cfg, x, parallel)
     return moe_mlp(p, cfg, x, few_token_experts=few_token_experts, parallel=parallel,
                    many_token_experts=many_token_experts, few_token_matvec=few_token_matvec,
-                   router_epilogue=router_epilogue)
+                   router_epilogue=router_epilogue, few_token_experts_with_shared=few_token_experts_with_shared)
 
 
 # ----------------------------------------------------------------------- the layer
@@ -563,7 +578,7 @@ def decoder_layer(
     x, h = residual_conv_norm(ctx, "attn", a, p["attn_conv"], x, p["mlp_norm"], eps)
     m = mlp(p["mlp"], cfg, dense, h, getattr(ctx, "few_token_experts", None), getattr(ctx, "parallel", None),
             getattr(ctx, "many_token_experts", None), getattr(ctx, "few_token_matvec", None),
-            getattr(ctx, "router_epilogue", None))
+            getattr(ctx, "router_epilogue", None), getattr(ctx, "few_token_experts_with_shared", None))
     if next_norm is None:
         return x + ctx.conv("mlp", m, p["mlp_conv"])
     return residual_conv_norm(ctx, "mlp", m, p["mlp_conv"], x, next_norm, eps)
