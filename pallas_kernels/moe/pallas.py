@@ -71,8 +71,13 @@ Where today's engine took clip + repeat + routed gate|up + shared repeat + share
 activations + two downs + two combines, this is 2 launches + 2 fusions. The split count S of
 each product is moe_experts' for the n * k routed rows, so the routed rows are bit for bit
 moe_experts'; the shared rows' fp32 sums may split differently from the separate shared
-kernel's (n * S rows pick more splits): measured on the tests' shapes, bf16 outputs equal
-(at most 1 ulp allowed), fp32 within ~1e-6 relative.
+kernel's (n * S rows pick more splits), and XLA's sum over the splits may order an [m, S, F]
+reduction differently for another m. Measured against the separate kernels (n 1-4, k 2-4,
+S 1-3, h 256, f 128, tf = bh = 32, jit on CPU): bf16 bit-equal in 36 / 36 with
+--xla_allow_excess_precision=false; fp32 within 1e-6 (max abs 9.5e-7 at outputs ~1-8). With
+XLA's default excess precision, XLA may drop a bf16 round trip (convert f32 -> bf16 -> f32) in
+either program, differently in each (interpret mode shows the kernels' bodies to XLA too):
+25 / 36 equal there, the rest up to one bf16 rounding of a term apart.
 
 Deviations from the reference: the fp32 summation order of the contractions differs from
 XLA's (per-lane partial sums over row blocks, a tree reduction in the tile, then S partials),
