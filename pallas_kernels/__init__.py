@@ -27,9 +27,13 @@ has the reference's signature (`interpret` is bound):
     moe_experts(x, idx, weight, w13, w2) -> y, or None for the references (the model's MoE
         then picks its own jnp implementation)
     moe_experts_many(x, idx, weight, w13, w2) -> y, the same for many tokens, or None
-    grouped_matvec(x, idx, w) -> y [m, F] fp32, y[i] = x[i] @ w[idx[i]]: the shared experts of
-        a few tokens (layers.shared_experts' matvec) and a lone token's attention projections
-        (layers.matmul's matvec), or None
+    moe_experts_with_shared(x, idx, weight, w13, w2, shared_w13, shared_w2, gamma, *, gated) -> y:
+        moe_experts plus the shared experts added as layers.moe_mlp adds them, each product of
+        both in one grouped mat-vec launch (few tokens, single device), or None
+    grouped_matvec(x, idx, w, *, x_repeat=1) -> y [m, F] fp32, y[i] = x[i // x_repeat] @ w[idx[i]]
+        (ids clamped to [0, E) in the kernel): the shared experts of a few tokens
+        (layers.shared_experts' matvec) and a lone token's attention projections (layers.matmul's
+        matvec), or None
     attention(q, k, v, rel, q_pos, k_pos, k_valid, *, window) -> out, or None (the model's
         attention_core materialises the scores then)
     ring_attention(q, r, rel_proj, tau, k_new, v_new, q_pos, q_valid, arena, ring_unit_row,
@@ -71,6 +75,7 @@ class ConvOps:
     moe_experts: Callable | None = None  # few-token routed experts (layers.moe_mlp's few_token_experts)
     moe_experts_many: Callable | None = None  # many-token routed experts (layers.moe_mlp's many_token_experts)
     grouped_matvec: Callable | None = None  # y[i] = x[i] @ w[idx[i]] (layers.shared_experts' matvec, few tokens)
+    moe_experts_with_shared: Callable | None = None  # few-token routed + shared experts (layers.moe_mlp)
     attention: Callable | None = None  # fused attention of many queries (steps.context.StepContext.attend)
     ring_attention: Callable | None = None  # few queries against sliding rings read in place (decode / verify)
     paged_attention: Callable | None = None  # few queries against full-attention pages read in place
@@ -122,7 +127,10 @@ def _pallas_ops(interpret: bool) -> ConvOps:
         clear_units=jitted(slot_ops.pallas.clear_units, *units),
         moe_experts=jitted(moe.pallas.moe_experts, "tf", "bh", "splits", "num_warps", "target_programs"),
         moe_experts_many=jitted(moe.grouped.moe_experts_grouped, "bm", "bn", "bk", "num_warps", "num_stages"),
-        grouped_matvec=jitted(moe.pallas.grouped_matvec, "tf", "bh", "splits", "num_warps", "target_programs"),
+        moe_experts_with_shared=jitted(moe.pallas.moe_experts_with_shared, "gated", "tf", "bh", "splits",
+                                       "num_warps", "target_programs"),
+        grouped_matvec=jitted(moe.pallas.grouped_matvec, "x_repeat", "tf", "bh", "splits", "num_warps",
+                              "target_programs"),
         attention=jitted(attention.pallas.attention, "window", "bq", "bk", "num_warps", "num_stages"),
         ring_attention=jitted(attention.decode.ring_attention, "ring", "window", "num_splits", "bk", "num_warps",
                               "num_stages"),

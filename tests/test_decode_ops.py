@@ -9,6 +9,9 @@ quietly bring them back:
 * the router's epilogue is one kernel per MoE layer (no `top_k` left);
 * the sliding rings are checkpointed by one conditional per step, not one per layer;
 * batch 1: the attention projections of the lone token go through the grouped mat-vec kernel;
+  a MoE layer's routed and shared experts are one grouped mat-vec launch per product
+  (`moe_experts_with_shared`: 2 per layer, where there were 4), the kernel reading the token's
+  row in place for every expert and clamping the ids itself (no repeat or clip of them outside);
 * decode attention: one kernel per layer reading the arena in place (pages of 16 tokens here,
   so the full layer takes the paged kernel too), its split-K partials merged by one combine
   kernel (not XLA's reductions and cast), the relative bias and the log scaling computed in
@@ -53,6 +56,22 @@ def loop_ops(jaxpr, in_loop: bool = False, in_kernel: bool = False):
                     yield from loop_ops(sub, inside, in_kernel or kernel is not None)
 
 
+def joined_expert_ops(jaxpr, under: bool = False, in_kernel: bool = False):
+    """(primitive, kernel name, operand ranks > 0) of the equations outside kernels under a
+    `routed_and_shared_experts` scope (jit sub-jaxprs restart their name stacks: followed)."""
+    for eqn in jaxpr.eqns:
+        here = under or str(eqn.source_info.name_stack).endswith("routed_and_shared_experts")
+        kernel = eqn.primitive.name == "pallas_call"
+        if here and not in_kernel:
+            ranked = any(getattr(getattr(v, "aval", None), "ndim", 0) > 0 for v in eqn.invars)
+            yield eqn.primitive.name, eqn.params.get("name") if kernel else None, ranked
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (list, tuple)) else [value]:
+                sub = sub.jaxpr if isinstance(sub, jax.extend.core.ClosedJaxpr) else sub
+                if isinstance(sub, jax.extend.core.Jaxpr):
+                    yield from joined_expert_ops(sub, here, in_kernel or kernel)
+
+
 @pytest.mark.parametrize("batch", [1, 2])
 def test_decode_loop_body(batch):
     cfg = ik.InklingConfig.tiny()
@@ -65,7 +84,8 @@ def test_decode_loop_body(batch):
                          slot_v2p=jax.ShapeDtypeStruct((SLOTS + 1,), jnp.int32),
                          page_v2p=jax.ShapeDtypeStruct((PAGES + 1,), jnp.int32))
     step = partial(run_step, cfg=cfg, layout=layout, shape=shape, use_pallas=True, interpret=True)
-    ops = list(loop_ops(jax.make_jaxpr(step)(params, state, StepBatch.empty(shape)).jaxpr))
+    jaxpr = jax.make_jaxpr(step)(params, state, StepBatch.empty(shape)).jaxpr
+    ops = list(loop_ops(jaxpr))
     body = [op for op in ops if op[3]]
     assert body, "the K-step decode is a loop"
 
@@ -90,8 +110,15 @@ def test_decode_loop_body(batch):
     assert not [op for op in body if "attention_tables" in op[2]]
     assert not [op for op in body if op[0] == "dot_general" and "layer/attention/attend" in op[2]]
     matvecs = kernels.count("moe_grouped_matvec")
-    if batch == 1:  # per layer wqkvr and wo; per MoE layer routed w13, w2 and shared w13, w2
-        assert matvecs == 2 * cfg.num_layers + 4 * moe_layers
+    if batch == 1:  # per layer wqkvr and wo; per MoE layer w13 and w2 of the routed and shared experts
+        assert matvecs == 2 * cfg.num_layers + 2 * moe_layers
+        joined = list(joined_expert_ops(jaxpr))
+        assert sum(1 for op in joined if op[0] == "pallas_call") == 2 * moe_layers
+        assert {op[1] for op in joined if op[0] == "pallas_call"} == {"moe_grouped_matvec"}
+        # no clip of the ids (clamp / max / min), no gather, no repeat of x (a broadcast of an array)
+        assert not [op for op in joined if op[0] in ("clamp", "max", "min", "gather", "iota")], joined
+        assert not [op for op in joined if op[0] == "broadcast_in_dim" and op[2]], joined
+        assert not [op for op in body if op[2].endswith(("/routed_experts", "/shared_experts"))]
     else:  # B = 2 x top-2 of 8 experts: dense routed experts, the shared ones by einsum
         assert matvecs == 0
     # the residual convs carry the add and the next norm: one kernel each, two per layer; the

@@ -528,8 +528,9 @@ def test_engine_with_pallas_kernels_matches_jnp(trunk_params, monkeypatch):
     kernels, the flash attention (`ConvOps.attention`, rows of >= 32 queries) and the
     grouped-GEMM experts (`ConvOps.moe_experts_many`; their threshold lowered to 8 choices per
     expert so the tiny model's 32-token step reaches it), and whose batch-1 decode steps take
-    the few-token MoE kernel (`ConvOps.moe_experts`, and `grouped_matvec` for the shared
-    experts and the attention projections) and the decode attention kernels, which
+    the few-token MoE kernel (`ConvOps.moe_experts_with_shared`: the routed and shared experts
+    in one launch per product; `grouped_matvec` for the attention projections) and the decode
+    attention kernels, which
     read the sliding rings and the pages in place (`ConvOps.ring_attention` /
     `paged_attention`; pages of 16 tokens so the paged kernel, not its fallback, runs), over
     checkpoint boundaries; both phases route through the router's epilogue kernel. Tokens
@@ -539,11 +540,12 @@ def test_engine_with_pallas_kernels_matches_jnp(trunk_params, monkeypatch):
     prompt = list(np.random.RandomState(8).randint(3, TRUNK.unpadded_vocab_size, 40))
     kw = {**ENGINE_KW, "max_running": 1, "min_batch_bucket": 1, "chunk_size": 64, "max_step_tokens": 64,
           "page_size": 16, "track_interval": 16}
-    out, traced = {}, {"experts": [], "attention": [], "in_place": [], "shared": [], "router": []}
+    out, traced = {}, {"experts": [], "attention": [], "in_place": [], "shared": [], "router": [], "joined": []}
 
     def spy(name, kernel):
         def fn(x, *a, **k):  # runs when the step is traced
-            traced[name].append(k.get("ring") if name == "in_place" else x.shape)
+            traced[name].append(k.get("ring") if name == "in_place" else
+                                (x.shape, k.get("x_repeat", 1)) if name == "shared" else x.shape)
             return kernel(x, *a, **k)
         return fn
 
@@ -552,6 +554,7 @@ def test_engine_with_pallas_kernels_matches_jnp(trunk_params, monkeypatch):
     monkeypatch.setattr(pk.attention.decode, "_decode_call", spy("in_place", pk.attention.decode._decode_call))
     monkeypatch.setattr(pk.moe.pallas, "grouped_matvec", spy("shared", pk.moe.pallas.grouped_matvec))
     monkeypatch.setattr(pk.moe.router, "router_epilogue", spy("router", pk.moe.router.router_epilogue))
+    monkeypatch.setattr(pk.moe.pallas, "moe_experts_with_shared", spy("joined", pk.moe.pallas.moe_experts_with_shared))
     monkeypatch.setattr(layers, "GROUPED_MIN_CHOICES_PER_EXPERT", 8)
     pk._pallas_ops.cache_clear()  # the ops pick the spies up
     try:
@@ -570,8 +573,9 @@ def test_engine_with_pallas_kernels_matches_jnp(trunk_params, monkeypatch):
     assert traced["experts"] and min(s[0] for s in traced["experts"]) * TRUNK.num_experts_per_tok >= 8 * 8
     assert len(traced["attention"]) == 2 and traced["attention"][0][1] >= 32  # traced once per window kind
     assert None in traced["in_place"] and any(r is not None for r in traced["in_place"])  # paged and ring kernels
-    assert (TRUNK.n_shared_experts, TRUNK.hidden_size) in traced["shared"]  # one token's shared experts
-    assert (1, TRUNK.hidden_size) in traced["shared"]  # one token's attention projections
+    # one token's routed and shared experts in one launch per product, its attention projections
+    assert (1, TRUNK.hidden_size) in traced["joined"]
+    assert ((1, TRUNK.hidden_size), 1) in traced["shared"]
     width = TRUNK.n_routed_experts + TRUNK.n_shared_experts
     assert (1, width) in traced["router"] and any(n > 1 for n, _ in traced["router"])  # decode and prefill
     assert out[True][0] == out[False][0]

@@ -59,6 +59,32 @@ def test_grouped_matvec(case):
     close(y, moe_ref.grouped_matvec(x, idx, w), rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("x_repeat", [1, 3])
+def test_grouped_matvec_x_repeat_and_clamp(dtype, x_repeat):
+    """Row i reads x[i // x_repeat] in place and the kernel clamps the ids to [0, E) itself:
+    bit for bit the kernel on jnp.repeat(x) with pre-clipped ids (the same products and sums),
+    and the reference within the summation-order tolerance; out-of-range ids (-3, E, E + 5)
+    read the clamped expert."""
+    rng = np.random.default_rng(50 + x_repeat)
+    mx, h, f = 2, 128, 64
+    x, w = rand(rng, (mx, h), dtype), rand(rng, (E, h, f), dtype)
+    ids = [-3, E, 2, E + 5, 0, E - 1][:mx * x_repeat] if x_repeat > 1 else [E + 5, -1]
+    idx = jnp.asarray(ids, jnp.int32)
+    y = moe.grouped_matvec(x, idx, w, x_repeat=x_repeat, **SMALL, interpret=INTERPRET)
+    assert y.shape == (mx * x_repeat, f) and y.dtype == jnp.float32
+    x_rep, clipped = jnp.repeat(x, x_repeat, axis=0), jnp.clip(idx, 0, E - 1)
+    base = moe.grouped_matvec(x_rep, clipped, w, **SMALL, interpret=INTERPRET)
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(base))
+    close(y, ref_matvec(x_rep, clipped, w), rtol=1e-5, atol=1e-4)
+    close(y, moe_ref.grouped_matvec(x, idx, w, x_repeat), rtol=1e-5, atol=1e-4)
+    # the jaxpr outside the kernel: no clamp of the ids, no repeat (broadcast) of x
+    jaxpr = jax.make_jaxpr(lambda x, i, w: moe.grouped_matvec(x, i, w, x_repeat=x_repeat, **SMALL,
+                                                               interpret=INTERPRET))(x, idx, w)
+    outside = [e.primitive.name for e in jaxpr.jaxpr.eqns]
+    assert "pallas_call" in str(jaxpr) and not {"clamp", "max", "min", "broadcast_in_dim"} & set(outside), outside
+
+
 def test_grouped_matvec_defaults_and_loop():
     """The default tiling once (tf=128, bh=64: grid (2, 2, 4)), and the fori_loop block walk
     (h / bh / S = 32 blocks per program)."""
@@ -177,6 +203,126 @@ def test_moe_experts_grad(which):
         close(a, b, rtol=1e-6, atol=1e-6)
 
 
+# ------------------------------------------------- routed + shared experts in one launch
+
+
+def ulps(a, b, dtype):
+    """|a - b| in units of the last place of b in `dtype` (bf16: 8 significant bits, fp32: 24)."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    bits = 8 if dtype == jnp.bfloat16 else 24
+    ulp = np.exp2(np.floor(np.log2(np.maximum(np.abs(b), 1e-30))) - (bits - 1))
+    return float((np.abs(a - b) / ulp).max())
+
+
+def test_grouped_matvec_extra_rows():
+    """The joined kernel's rows (token t: its k routed choices, then the S experts of w_extra),
+    x read in place for the group and out-of-range routed ids clamped into w (never into
+    w_extra): the reference within the summation-order tolerance."""
+    rng = np.random.default_rng(60)
+    n, k, s_, h, f = 2, 3, 2, 128, 64
+    g = k + s_
+    x, w, wx = rand(rng, (n, h)), rand(rng, (E, h, f)), rand(rng, (s_, h, f))
+    idx = jnp.asarray([E + 2, -1, 4, 0, E - 1, 7], jnp.int32)
+    y = moe._grouped_matvec_extra_fwd(x, idx, w, wx, x_repeat=g, group=g, tf=32, bh=32, splits=None, num_warps=4,
+                                      target_programs=512, interpret=INTERPRET)
+    want = moe_ref.grouped_matvec_extra(x, idx, w, wx, g, g)
+    assert y.shape == (n * g, f)
+    close(y, want, rtol=1e-5, atol=1e-4)
+    ids = np.clip(np.asarray(idx).reshape(n, k), 0, E - 1)
+    rows = [np.asarray(x[t]) @ np.asarray(w[e]) for t in range(n) for e in ids[t]]
+    close(want.reshape(n, g, f)[:, :k].reshape(-1, f), np.stack(rows), rtol=1e-5, atol=1e-4)
+    close(want.reshape(n, g, f)[:, k:], np.einsum("nh,shf->nsf", np.asarray(x), np.asarray(wx)), rtol=1e-5, atol=1e-4)
+    # x_repeat = 1 (the down product): one row of x per row
+    xa = rand(rng, (n * g, h))
+    y = moe._grouped_matvec_extra_fwd(xa, idx, w, wx, x_repeat=1, group=g, tf=32, bh=32, splits=None, num_warps=4,
+                                      target_programs=512, interpret=INTERPRET)
+    close(y, moe_ref.grouped_matvec_extra(xa, idx, w, wx, 1, g), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("n,k,s_,gated", [(1, 2, 1, True), (2, 3, 2, False), (3, 4, 3, True), (4, 2, 2, True),
+                                          (1, 4, 2, False)])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_moe_experts_with_shared(n, k, s_, gated, dtype):
+    """The joined routed + shared experts against today's math (`ref.moe_experts_with_shared`)
+    and today's kernels (moe_experts, the shared experts' grouped mat-vec, the add): the routed
+    rows take moe_experts' own splits (bit for bit); the shared rows' fp32 sums may split
+    differently, so bf16 within 1 ulp, fp32 within 1e-5 relative (measured here: bf16 within
+    1 ulp of the largest term, mostly equal; fp32 max abs ~1e-6)."""
+    rng = np.random.default_rng(1000 * n + 100 * k + 10 * s_ + gated + (dtype == jnp.bfloat16))
+    x, idx, weight, w13, w2 = moe_inputs(rng, n, k, dtype)
+    idx = idx.at[0, -1].set(E + 3) if k > 2 else idx  # out of range: clamped to E - 1 (as moe_experts)
+    sw13 = rand(rng, (s_,) + w13.shape[1:], dtype, scale=w13.shape[1] ** -0.5)
+    sw2 = rand(rng, (s_,) + w2.shape[1:], dtype, scale=w2.shape[1] ** -0.5)
+    gamma = jnp.asarray(rng.uniform(0.1, 1.0, (n, s_)), jnp.float32)
+    args = (x, idx, weight, w13, w2, sw13, sw2, gamma)
+    out = moe.moe_experts_with_shared(*args, gated=gated, **SMALL, interpret=INTERPRET)
+    assert out.shape == x.shape and out.dtype == dtype
+    want = moe_ref.moe_experts_with_shared(*args, gated=gated)
+    # today's engine: the routed kernel, the shared experts through the grouped mat-vec, moe_mlp's add
+    routed = moe.moe_experts(x, idx, weight, w13, w2, **SMALL, interpret=INTERPRET)
+    sid = jnp.tile(jnp.arange(s_, dtype=jnp.int32), n)
+    mv = lambda *a, **kw: moe.grouped_matvec(*a, **kw, **SMALL, interpret=INTERPRET)
+    gu = mv(x, sid, sw13, x_repeat=s_)
+    act = jax.nn.silu(gu[:, :gu.shape[1] // 2]) * gu[:, gu.shape[1] // 2:]
+    act = act * gamma.reshape(-1, 1) if gated else act
+    y = mv(act.astype(dtype), sid, sw2).astype(dtype).astype(jnp.float32).reshape(n, s_, -1).sum(axis=1)
+    today = (routed.astype(jnp.float32) + y).astype(dtype)
+    scale = float(np.abs(np.asarray(want, np.float32)).max())
+    for other in (want, today):
+        if dtype == jnp.bfloat16:
+            assert ulps(out, other, dtype) <= 1
+        else:
+            close(out, other, rtol=1e-5, atol=1e-5 * scale)
+
+
+def test_moe_experts_with_shared_grad_and_fallback():
+    """Backward: the reference's VJP; shapes the kernel cannot tile: the reference itself."""
+    rng = np.random.default_rng(70)
+    x, idx, weight, w13, w2 = moe_inputs(rng, 2, 2, jnp.float32)
+    sw13, sw2 = rand(rng, (2,) + w13.shape[1:], scale=0.1), rand(rng, (2,) + w2.shape[1:], scale=0.1)
+    gamma = jnp.asarray(rng.uniform(0.1, 1.0, (2, 2)), jnp.float32)
+    r = rand(rng, x.shape)
+    kern = lambda *a: moe.moe_experts_with_shared(*a, gated=True, **SMALL, interpret=INTERPRET)
+    refn = lambda *a: moe_ref.moe_experts_with_shared(*a, gated=True)
+    loss = lambda fn: lambda x, weight, sw13, gamma: jnp.sum(fn(x, idx, weight, w13, w2, sw13, sw2, gamma) * r)
+    g = jax.grad(loss(kern), argnums=(0, 1, 2, 3))(x, weight, sw13, gamma)
+    g_ref = jax.grad(loss(refn), argnums=(0, 1, 2, 3))(x, weight, sw13, gamma)
+    for a, b in zip(g, g_ref):
+        assert np.abs(np.asarray(b)).max() > 0
+        close(a, b, rtol=1e-6, atol=1e-6)
+    narrow = (x, idx, weight, w13[:, :, :24], w2[:, :12], sw13[:, :, :24], sw2[:, :12], gamma)
+    np.testing.assert_array_equal(np.asarray(kern(*narrow)), np.asarray(refn(*narrow)))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_moe_mlp_joined_experts(dtype):
+    """layers.moe_mlp hands a few tokens' routed and shared experts to
+    few_token_experts_with_shared (one call) where the few-token kernel is chosen and shared
+    experts exist: the separate kernels' result (bf16 within 1 ulp); many tokens: not called."""
+    cfg = ik.InklingConfig.tiny(n_routed_experts=16)
+    p = ik.init_params(cfg, jax.random.key(2))["layers"][cfg.dense_layer_ids[-1] + 1]["mlp"]
+    p = jax.tree.map(lambda a: a.astype(dtype) if a.dtype == jnp.bfloat16 else a, p)
+    x = rand(np.random.default_rng(80), (2, cfg.hidden_size), dtype)
+    few = lambda *a: moe.moe_experts(*a, **SMALL, interpret=INTERPRET)
+    mv = lambda *a, **kw: moe.grouped_matvec(*a, **kw, **SMALL, interpret=INTERPRET)
+    calls = []
+
+    def joined(*a, **kw):
+        calls.append(a[0].shape[0])
+        return moe.moe_experts_with_shared(*a, **kw, **SMALL, interpret=INTERPRET)
+
+    got = layers.moe_mlp(p, cfg, x, few_token_experts=few, few_token_matvec=mv, few_token_experts_with_shared=joined)
+    assert calls == [2]
+    want = layers.moe_mlp(p, cfg, x, few_token_experts=few, few_token_matvec=mv)
+    if dtype == jnp.bfloat16:
+        assert ulps(got, want, dtype) <= 1
+    else:
+        close(got, want, rtol=1e-5, atol=1e-5 * float(np.abs(np.asarray(want)).max()))
+    layers.moe_mlp(p, cfg, jnp.ones((8, cfg.hidden_size), dtype), few_token_experts=few,
+                   few_token_experts_with_shared=joined)
+    assert calls == [2]  # 8 tokens: dense routed experts, einsum shared experts
+
+
 # ---------------------------------------------------------------------- GPU lowering
 
 
@@ -200,6 +346,14 @@ def test_moe_lowers_for_gpu(verify_triton_modules):
               sds((32, 2048, 2048), wd), sds((32, 1024, 2048), bf))
     lower(lambda x, i, w: moe.grouped_matvec(x, i, w, splits=1), sds((4, 6144), bf), sds((4,), i32),
           sds((256, 6144, 2048), bf))
+    # the bench model's routed + shared experts in one launch per product (1 and 4 tokens)
+    for n in (1, 4):
+        lower(lambda *a: moe.moe_experts_with_shared(*a, gated=True), sds((n, 2048), bf), sds((n, 4), i32),
+              sds((n, 4), jnp.float32), sds((32, 2048, 2048), bf), sds((32, 1024, 2048), bf),
+              sds((2, 2048, 2048), bf), sds((2, 1024, 2048), bf), sds((n, 2), jnp.float32))
+    # the bench model's shared experts: one token's row read for its S = 2 experts in place
+    lower(lambda x, i, w: moe.grouped_matvec(x, i, w, x_repeat=2), sds((1, 2048), bf), sds((2,), i32),
+          sds((2, 2048, 2048), bf))
 
 
 # ------------------------------------------------------------ many tokens: grouped GEMMs
@@ -304,7 +458,7 @@ def test_shared_experts_through_the_matvec_kernel(n, dtype):
     rng = np.random.default_rng(40 + n)
     x = rand(rng, (n, cfg.hidden_size), dtype)
     gamma = jnp.asarray(rng.uniform(0.1, 1.0, (n, cfg.n_shared_experts)), jnp.float32)
-    matvec = lambda *a: moe.grouped_matvec(*a, **SMALL, interpret=INTERPRET)
+    matvec = lambda *a, **kw: moe.grouped_matvec(*a, **kw, **SMALL, interpret=INTERPRET)
     got = layers.shared_experts(p, cfg, x, gamma, matvec=matvec)
     want = layers.shared_experts(p, cfg, x, gamma)
     assert got.shape == (n, cfg.hidden_size) and got.dtype == jnp.float32
@@ -313,7 +467,7 @@ def test_shared_experts_through_the_matvec_kernel(n, dtype):
     close(got, want, **tol)
 
     calls = []
-    spy = lambda *a: calls.append(a[1].shape[0]) or matvec(*a)
+    spy = lambda *a, **kw: calls.append(a[1].shape[0]) or matvec(*a, **kw)
     few = lambda *a: moe.moe_experts(*a, **SMALL, interpret=INTERPRET)
     got_mlp = layers.moe_mlp(p, cfg, x, few_token_experts=few, few_token_matvec=spy)
     assert calls == [n * cfg.n_shared_experts] * 2  # w13 and w2

@@ -13,7 +13,10 @@ so one copy of the layer math serves the reference path (`forward.py`) and the c
 Optional context attributes, read with `getattr(ctx, name, None)` (absent = single device):
 
     ctx.few_token_experts   a moe_experts_slices-like function for few-token MoE (a kernel)
-    ctx.few_token_matvec    y[i] = x[i] @ w[idx[i]] (fp32), the shared experts of few tokens (a kernel)
+    ctx.few_token_matvec    y[i] = x[i // x_repeat] @ w[idx[i]] (fp32), the shared experts of few tokens
+                            (a kernel)
+    ctx.few_token_experts_with_shared   the routed + shared experts of few tokens in one call
+                            (`moe_mlp`'s few_token_experts_with_shared; a kernel)
     ctx.conv_residual_norm  (stream, a, weight, x, norm_weight) -> (x + conv(a), its rms_norm): a
                             residual conv and the norm after it in one kernel (`residual_conv_norm`)
     ctx.qk_norm             a `pallas_kernels.norm.ref.qk_norm`-like function: the per-head q and k
@@ -471,8 +474,9 @@ def shared_experts(p: Params, cfg: InklingConfig, flat: Float[Array, "n h"], gam
     """The shared experts' summed output (fp32), each weighted by its sink gamma (the router's
     renormalised weight) when the config says so.
 
-    matvec: a `pallas_kernels.moe.pallas.grouped_matvec`-like function (y[i] = x[i] @ w[idx[i]],
-    fp32) for a few tokens: row t * S + s is token t through expert s, reading each expert's
+    matvec: a `pallas_kernels.moe.pallas.grouped_matvec`-like function (y[i] = x[i // x_repeat]
+    @ w[idx[i]], fp32) for a few tokens: row t * S + s is token t through expert s (x_repeat = S:
+    the kernel reads each token's row in place, no repeated copy), reading each expert's
     [h, 2f] / [f, h] matrix in place (the batched einsum below made XLA's GPU layout copy the
     whole shared_w13 to [h, S, 2f] in every decode step). Same math and roundings either way."""
     n = flat.shape[0]
@@ -480,7 +484,7 @@ def shared_experts(p: Params, cfg: InklingConfig, flat: Float[Array, "n h"], gam
     if matvec is not None:
         s = p["shared_w13"].shape[0]
         idx = jnp.tile(jnp.arange(s, dtype=jnp.int32), n)  # [n * S]: token-major
-        gu = matvec(jnp.repeat(flat, s, axis=0), idx, p["shared_w13"])  # [n * S, 2f] fp32
+        gu = matvec(flat, idx, p["shared_w13"], x_repeat=s)  # [n * S, 2f] fp32; row i reads flat[i // S]
         half = gu.shape[-1] // 2
         act = jax.nn.silu(gu[:, :half]) * gu[:, half:]
         if gated:
@@ -509,7 +513,8 @@ def shared_experts(p: Params, cfg: InklingConfig, flat: Float[Array, "n h"], gam
 @jax.named_scope("moe")
 def moe_mlp(p: Params, cfg: InklingConfig, x: Array, experts_impl: str = "auto",
             few_token_experts: Any = None, parallel: "ParallelAxes | None" = None,
-            many_token_experts: Any = None, few_token_matvec: Any = None, router_epilogue: Any = None) -> Array:
+            many_token_experts: Any = None, few_token_matvec: Any = None, router_epilogue: Any = None,
+            few_token_experts_with_shared: Any = None) -> Array:
     """MoE: routed top-k experts plus shared experts (sink-weighted or plain).
 
     experts_impl: a MOE_IMPLS name, or "auto": a few tokens read only their experts (one slice
@@ -519,7 +524,12 @@ def moe_mlp(p: Params, cfg: InklingConfig, x: Array, experts_impl: str = "auto",
     when given (same signature: the Pallas sorted-block grouped GEMMs, which compute only the
     chosen experts; below that their padding of each expert's rows costs more than dense).
     `few_token_matvec` (the grouped mat-vec kernel) computes the shared experts where
-    `few_token_experts` computes the routed. `router_epilogue`: see `route`.
+    `few_token_experts` computes the routed. `few_token_experts_with_shared` (a
+    `pallas_kernels.moe.pallas.moe_experts_with_shared`-like function): where the few-token
+    experts are chosen and shared experts exist, the routed and the shared experts and their
+    sum in one call instead (one grouped mat-vec launch per product for both; the same math);
+    single device only: under `parallel` (shared experts counted on ep rank 0) the separate
+    calls run. `router_epilogue`: see `route`.
 
     With `parallel`, cfg is the local config (E / ep experts of width F / tp here) and the
     router runs on `parallel.global_cfg` (see the module docstring)."""
@@ -538,6 +548,12 @@ def moe_mlp(p: Params, cfg: InklingConfig, x: Array, experts_impl: str = "auto",
         if experts_impl == "dense" and many and many_token_experts is not None:
             experts_impl = many_token_experts
     fn = experts_impl if callable(experts_impl) else MOE_IMPLS[experts_impl]
+    if (few_token_experts_with_shared is not None and few_token_experts is not None and fn is few_token_experts
+            and cfg.n_shared_experts > 0 and parallel is None):
+        with jax.named_scope("routed_and_shared_experts"):
+            out = few_token_experts_with_shared(flat, idx, w, p["w13"], p["w2"], p["shared_w13"], p["shared_w2"],
+                                                gamma, gated=bool(cfg.shared_expert_sink and cfg.norm_after_topk))
+        return out.astype(x.dtype).reshape(*lead, x.shape[-1])
     with jax.named_scope("routed_experts"):
         out = fn(flat, idx, w, p["w13"], p["w2"]).astype(jnp.float32)
     if cfg.n_shared_experts > 0:
@@ -551,12 +567,13 @@ def moe_mlp(p: Params, cfg: InklingConfig, x: Array, experts_impl: str = "auto",
 
 def mlp(p: Params, cfg: InklingConfig, dense: bool, x: Array, few_token_experts: Any = None,
         parallel: "ParallelAxes | None" = None, many_token_experts: Any = None,
-        few_token_matvec: Any = None, router_epilogue: Any = None) -> Array:
+        few_token_matvec: Any = None, router_epilogue: Any = None, few_token_experts_with_shared: Any = None
+        ) -> Array:
     if dense:
         return dense_mlp(p, cfg, x, parallel)
     return moe_mlp(p, cfg, x, few_token_experts=few_token_experts, parallel=parallel,
                    many_token_experts=many_token_experts, few_token_matvec=few_token_matvec,
-                   router_epilogue=router_epilogue)
+                   router_epilogue=router_epilogue, few_token_experts_with_shared=few_token_experts_with_shared)
 
 
 # ----------------------------------------------------------------------- the layer
@@ -595,7 +612,7 @@ def decoder_layer(
     x, h = residual_conv_norm(ctx, "attn", a, p["attn_conv"], x, p["mlp_norm"], eps)
     m = mlp(p["mlp"], cfg, dense, h, getattr(ctx, "few_token_experts", None), getattr(ctx, "parallel", None),
             getattr(ctx, "many_token_experts", None), getattr(ctx, "few_token_matvec", None),
-            getattr(ctx, "router_epilogue", None))
+            getattr(ctx, "router_epilogue", None), getattr(ctx, "few_token_experts_with_shared", None))
     if next_norm is None:
         return x + ctx.conv("mlp", m, p["mlp_conv"])
     return residual_conv_norm(ctx, "mlp", m, p["mlp_conv"], x, next_norm, eps)

@@ -85,6 +85,8 @@ class StepContext:
         self.few_token_experts = ops.moe_experts  # read by layers.decoder_layer
         self.many_token_experts = ops.moe_experts_many
         self.few_token_matvec = ops.grouped_matvec  # also a lone token's projections (layers.attention_block)
+        # routed + shared experts of few tokens in one launch per product (layers.moe_mlp)
+        self.few_token_experts_with_shared = ops.moe_experts_with_shared
         self.router_epilogue = ops.router_epilogue
         self.qk_norm = ops.qk_norm  # the per-head q / k norms of few tokens (layers.attention_block)
 

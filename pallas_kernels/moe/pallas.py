@@ -1,13 +1,18 @@
 """Pallas kernel for the routed experts of a MoE layer when a handful of tokens decode.
 
-    grouped_matvec(x, idx, w) -> y      y[i] = x[i] @ w[idx[i]], fp32
-        x [m, h] (bf16 or fp32), idx [m] int32 expert ids in [0, E), w [E, h, F] (any float
-        dtype, cast to x's dtype as the reference does), y [m, F] float32
+    grouped_matvec(x, idx, w, *, x_repeat=1) -> y      y[i] = x[i // x_repeat] @ w[idx[i]], fp32
+        x [m / x_repeat, h] (bf16 or fp32), idx [m] int32 expert ids (clamped to [0, E) in the
+        kernel), w [E, h, F] (any float dtype, cast to x's dtype as the reference does),
+        y [m, F] float32
     moe_experts(x, idx, weight, w13, w2) -> [n, h] in x's dtype
         `ref.moe_experts`' signature and semantics (x [n, h], idx / weight [n, k],
         w13 [E, h, 2f] gate | up halves, w2 [E, f, h])
+    moe_experts_with_shared(x, idx, weight, w13, w2, shared_w13, shared_w2, gamma, *, gated)
+        -> [n, h] in x's dtype: `ref.moe_experts_with_shared` (moe_experts plus the S shared
+        experts, shared_w13 [S, h, 2f], shared_w2 [S, f, h], gamma [n, S] the sink weights
+        applied when `gated`), the routed and shared rows of each product in one launch
 
-Both take `interpret` (CPU tests: `interpret=True`), and each has a `jax.custom_vjp` whose
+All take `interpret` (CPU tests: `interpret=True`), and each has a `jax.custom_vjp` whose
 backward is its reference's VJP (`ref.py`).
 
 Why. With batch 1-4 every expert product is a matrix-vector product: the time is reading the
@@ -18,9 +23,9 @@ selected expert's [h, F] matrix exactly once per row, with hundreds of programs 
 
 Work split. `grouped_matvec` runs one program per (row i, column tile j of `tf` columns,
 contracting split s of `S`): the h axis is cut into S chunks of h/S rows, each walked in
-blocks of `bh` rows. The program reads its row's expert id e = idx[i] (the Triton lowering
+blocks of `bh` rows. The program reads its row's expert id e = clip(idx[i], 0, E - 1) (the Triton lowering
 has no scalar prefetch: idx is an ordinary whole-array input, and w is passed whole so the
-kernel can address any expert by a dynamic index), then for each block loads x[i, rows]
+kernel can address any expert by a dynamic index), then for each block loads x[i // x_repeat, rows]
 [bh] and w[e, rows, cols] [bh, tf], and accumulates x[:, None] * w in an fp32 [bh, tf]
 register tile; one reduction over its rows at the end gives the partial sums it writes to
 part[i, s, cols] (fp32 [m, S, F]). The wrapper sums part over S in fp32 (jnp; XLA can
@@ -33,8 +38,11 @@ defaults (tf=128, bh=64, num_warps=4):
 
 The block loop is unrolled in Python up to `MAX_UNROLL` blocks (so the independent weight
 loads of a program are issued back to back), a `fori_loop` past that. Offsets into w are
-64-bit in the Triton lowering once w passes 4 GiB; expert ids are clipped to [0, E) first
-(the reference's dynamic slice clamps too), so no id can address outside w.
+64-bit in the Triton lowering once w passes 4 GiB; expert ids are clamped to [0, E) by the
+kernel (a scalar min / max per program, where an XLA clip before the launch was one more
+launch; the reference clamps too), so no id can address outside w. x_repeat > 1 reads one row
+of x for x_repeat consecutive output rows (a token through several experts) in place, where a
+`jnp.repeat` copy of x was one more launch.
 
 Shapes. tf and bh are powers of two (Triton's block shapes must be): the kernel uses
 tf' = min(tf, largest power of two dividing F) and bh' = min(bh, largest power of two
@@ -43,10 +51,33 @@ factor), or for empty / malformed inputs, the functions fall back to the referen
 (`ref.grouped_matvec`, `ref.moe_experts`); there is no masking.
 
 `moe_experts` flattens the choices to m = n * k rows (row t * k + j is token t, choice j; x
-repeated per choice) and computes gu = grouped_matvec(x_rep, idx, w13), act = (silu(gate) *
+read per choice with x_repeat = k) and computes gu = grouped_matvec(x, idx, w13), act = (silu(gate) *
 up) in x's dtype, y = grouped_matvec(act, idx, w2) rounded to x's dtype, then
 out[t] = sum_j weight[t, j] * y[t, j] in fp32 (the reference's order, j = 0 .. k-1), cast to
 x's dtype.
+
+`moe_experts_with_shared` (batch-1 to few-token decode, single device) runs both products over
+n * G rows, G = k + S per token, token-major: row t * G + q is token t's routed choice q for
+q < k, its shared expert q - k after. The kernel takes the routed ids idx [n * k] and a second
+weight array w_extra (shared_w13 / shared_w2, expert ids E .. E + S - 1 in effect): a program
+of a routed row clamps its id and walks w, one of a shared row walks w_extra[q - k], under a
+`pl.when` per branch, so each program loads from one array only and neither is concatenated
+to the other (a 100+ MB copy per step at the bench shapes). gate|up: one launch (x read in
+place, x_repeat = G); SwiGLU over all rows, the shared rows times their gamma (the routed rows
+times 1.0: exact), rounded to x's dtype: one XLA fusion; down: one launch; the combine (routed
+weighted sum in choice order, rounded to x's dtype, + the fp32 sum of the shared rows rounded
+to x's dtype, -> x's dtype, as `layers.moe_mlp` adds `layers.shared_experts`): one fusion.
+Where today's engine took clip + repeat + routed gate|up + shared repeat + shared gate|up + two
+activations + two downs + two combines, this is 2 launches + 2 fusions. The split count S of
+each product is moe_experts' for the n * k routed rows, so the routed rows are bit for bit
+moe_experts'; the shared rows' fp32 sums may split differently from the separate shared
+kernel's (n * S rows pick more splits), and XLA's sum over the splits may order an [m, S, F]
+reduction differently for another m. Measured against the separate kernels (n 1-4, k 2-4,
+S 1-3, h 256, f 128, tf = bh = 32, jit on CPU): bf16 bit-equal in 36 / 36 with
+--xla_allow_excess_precision=false; fp32 within 1e-6 (max abs 9.5e-7 at outputs ~1-8). With
+XLA's default excess precision, XLA may drop a bf16 round trip (convert f32 -> bf16 -> f32) in
+either program, differently in each (interpret mode shows the kernels' bodies to XLA too):
+25 / 36 equal there, the rest up to one bf16 rounding of a term apart.
 
 Deviations from the reference: the fp32 summation order of the contractions differs from
 XLA's (per-lane partial sums over row blocks, a tree reduction in the tile, then S partials),
@@ -103,71 +134,121 @@ def grid_for(m: int, h: int, f: int, *, tf: int = TF, bh: int = BH, splits: int 
     return None if plan is None else (m, f // plan[0], plan[2])
 
 
-def _partials(x, idx, w, tf: int, bh: int, s: int, num_warps: int, interpret: bool) -> Array:
-    """part[i, s, :] = x[i, chunk s] @ w[idx[i], chunk s], fp32 [m, S, F]."""
-    m, h = x.shape
-    f = w.shape[-1]
+def _partials(x, idx, w, tf: int, bh: int, s: int, num_warps: int, interpret: bool, x_repeat: int = 1,
+              w_extra=None, group: int = 1) -> Array:
+    """part[i, s, :] = x[i // x_repeat, chunk s] @ W_i[chunk s], fp32 [m, S, F].
+
+    Without w_extra: m = len(idx) and W_i = w[clip(idx[i], 0, E - 1)]. With w_extra [S', h, F]:
+    rows come in groups of `group` = k + S' per token (m = n * group, idx [n * k]); row
+    i = t * group + q reads W_i = w[clip(idx[t * k + q], 0, E - 1)] for q < k, w_extra[q - k]
+    after (the expert id E + q - k): one branch per program loads from one of the two arrays,
+    so neither is copied into the other."""
+    h = x.shape[1]
+    n_experts, f = w.shape[0], w.shape[-1]
+    k = group - (0 if w_extra is None else w_extra.shape[0])
+    m = idx.shape[0] if w_extra is None else idx.shape[0] // k * group
     chunk = h // s
     nb = chunk // bh
     dtype = x.dtype
 
-    def kernel(idx_ref, x_ref, w_ref, o_ref):
+    def kernel(idx_ref, x_ref, w_ref, *refs):
+        o_ref = refs[-1]
         i, j, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-        e = idx_ref[i]
+        r = i // x_repeat if x_repeat > 1 else i  # x's row read in place (no repeated copy of x)
         cols = pl.ds(pl.multiple_of(j * tf, tf), tf)
         base = c * chunk
 
-        def block(b, acc):
-            rows = pl.ds(pl.multiple_of(base + b * bh, bh), bh)
-            xb = x_ref[i, rows].astype(jnp.float32)
-            wb = w_ref[e, rows, cols]
-            if wb.dtype != dtype:
-                wb = wb.astype(dtype)  # the reference's w.astype(x.dtype)
-            return acc + xb[:, None] * wb.astype(jnp.float32)
+        def matvec(wt_ref, e):
+            def block(b, acc):
+                rows = pl.ds(pl.multiple_of(base + b * bh, bh), bh)
+                xb = x_ref[r, rows].astype(jnp.float32)
+                wb = wt_ref[e, rows, cols]
+                if wb.dtype != dtype:
+                    wb = wb.astype(dtype)  # the reference's w.astype(x.dtype)
+                return acc + xb[:, None] * wb.astype(jnp.float32)
 
-        acc = jnp.zeros((bh, tf), jnp.float32)
-        if nb <= MAX_UNROLL:
-            for b in range(nb):
-                acc = block(b, acc)
+            acc = jnp.zeros((bh, tf), jnp.float32)
+            if nb <= MAX_UNROLL:
+                for b in range(nb):
+                    acc = block(b, acc)
+            else:
+                acc = jax.lax.fori_loop(0, nb, block, acc)
+            o_ref[i, c, cols] = jnp.sum(acc, axis=0)
+
+        def clamped(pos):
+            # the id clamped here, not by an XLA op before the launch: no id can address outside w
+            return jnp.minimum(jnp.maximum(idx_ref[pos], 0), n_experts - 1)
+
+        if w_extra is None:
+            matvec(w_ref, clamped(i))
         else:
-            acc = jax.lax.fori_loop(0, nb, block, acc)
-        o_ref[i, c, cols] = jnp.sum(acc, axis=0)
+            t, q = i // group, i % group
 
+            @pl.when(q < k)
+            def _():
+                matvec(w_ref, clamped(t * k + q))
+
+            @pl.when(q >= k)
+            def _():
+                matvec(refs[0], q - k)
+
+    extra = () if w_extra is None else (w_extra,)
     return pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((m, s, f), jnp.float32), grid=(m, f // tf, s),
                        aliases={}, interpret=interpret, num_warps=num_warps, name="moe_grouped_matvec")(
-        jnp.clip(idx.astype(jnp.int32), 0, w.shape[0] - 1), x, w)
+        idx.astype(jnp.int32), x, w, *extra)
 
 
-def _grouped_matvec_fwd(x, idx, w, *, tf: int, bh: int, splits: int | None, num_warps: int, target_programs: int,
-                        interpret: bool) -> Array:
+def _grouped_matvec_fwd(x, idx, w, *, x_repeat: int = 1, tf: int, bh: int, splits: int | None, num_warps: int,
+                        target_programs: int, interpret: bool) -> Array:
     """grouped_matvec without its custom VJP: the kernel, or the reference where the shapes need it."""
-    if x.ndim != 2 or w.ndim != 3 or idx.shape != x.shape[:1] or w.shape[1] != x.shape[1]:
-        return ref.grouped_matvec(x, idx, w)
-    m, h = x.shape
+    if (x.ndim != 2 or w.ndim != 3 or idx.ndim != 1 or x_repeat < 1 or idx.shape[0] != x.shape[0] * x_repeat
+            or w.shape[1] != x.shape[1]):
+        return ref.grouped_matvec(x, idx, w, x_repeat)
+    m, h = idx.shape[0], x.shape[1]
     plan = _plan(m, h, w.shape[2], tf, bh, splits, target_programs)
     if plan is None:
-        return ref.grouped_matvec(x, idx, w)
+        return ref.grouped_matvec(x, idx, w, x_repeat)
     tf_, bh_, s = plan
-    part = _partials(x, idx, w, tf_, bh_, s, num_warps, interpret)
+    part = _partials(x, idx, w, tf_, bh_, s, num_warps, interpret, x_repeat)
     return part[:, 0] if s == 1 else jnp.sum(part, axis=1)
 
 
-def grouped_matvec(x: Float[Array, "m h"], idx: Int[Array, "m"], w: Float[Array, "E h F"], *,
+def _grouped_matvec_extra_fwd(x, idx, w, w_extra, *, x_repeat: int, group: int, tf: int, bh: int, splits: int | None,
+                              num_warps: int, target_programs: int, interpret: bool) -> Array:
+    """`ref.grouped_matvec_extra` in one launch (forward only): the kernel, or the reference
+    where the shapes need it."""
+    k = group - w_extra.shape[0]
+    ok = (x.ndim == 2 and w.ndim == 3 and w_extra.ndim == 3 and idx.ndim == 1 and k >= 1 and x_repeat >= 1
+          and idx.shape[0] % k == 0 and idx.shape[0] // k * group == x.shape[0] * x_repeat
+          and w.shape[1] == w_extra.shape[1] == x.shape[1] and w.shape[2] == w_extra.shape[2])
+    plan = _plan(x.shape[0] * x_repeat, x.shape[1], w.shape[2], tf, bh, splits, target_programs) if ok else None
+    if plan is None:
+        return ref.grouped_matvec_extra(x, idx, w, w_extra, x_repeat, group)
+    tf_, bh_, s = plan
+    part = _partials(x, idx, w, tf_, bh_, s, num_warps, interpret, x_repeat, w_extra, group)
+    return part[:, 0] if s == 1 else jnp.sum(part, axis=1)
+
+
+def grouped_matvec(x: Float[Array, "mx h"], idx: Int[Array, "m"], w: Float[Array, "E h F"], *, x_repeat: int = 1,
                    tf: int = TF, bh: int = BH, splits: int | None = None, num_warps: int = NUM_WARPS,
                    target_programs: int = TARGET_PROGRAMS, interpret: bool = False) -> Float[Array, "m F"]:
-    """y[i] = x[i] @ w[idx[i]].astype(x.dtype), accumulated and returned in fp32.
+    """y[i] = x[i // x_repeat] @ w[clip(idx[i], 0, E - 1)].astype(x.dtype), accumulated and
+    returned in fp32 (m = x_repeat * mx rows: x_repeat > 1 reads each row of x for x_repeat
+    consecutive rows of y in place, instead of a `jnp.repeat` copy).
 
     tf / bh: column tile and row block (powers of two, shrunk to divide F / h); splits: the
     number S of contracting chunks (default: the smallest power of two reaching
     `target_programs` programs). See the module docstring."""
-    kw = dict(tf=tf, bh=bh, splits=splits, num_warps=num_warps, target_programs=target_programs, interpret=interpret)
+    kw = dict(x_repeat=x_repeat, tf=tf, bh=bh, splits=splits, num_warps=num_warps, target_programs=target_programs,
+              interpret=interpret)
     kernel_fn = lambda x, idx, w: _grouped_matvec_fwd(x, idx, w, **kw)
-    return with_ref_vjp(kernel_fn, ref.grouped_matvec)(x, idx, w)
+    return with_ref_vjp(kernel_fn, lambda x, idx, w: ref.grouped_matvec(x, idx, w, x_repeat))(x, idx, w)
 
 
 def _moe_kernel(x, idx, weight, w13, w2, kw) -> Array:
     # moe_experts' own VJP covers both products: the forward-only grouped mat-vec here
-    return ref.combine_choices(x, idx, weight, w13, w2, lambda xr, e, w: _grouped_matvec_fwd(xr, e, w, **kw))
+    return ref.combine_choices(x, idx, weight, w13, w2,
+                               lambda xr, e, w, x_repeat: _grouped_matvec_fwd(xr, e, w, x_repeat=x_repeat, **kw))
 
 
 def moe_experts(x: Float[Array, "n h"], idx: Int[Array, "n k"], weight: Float[Array, "n k"], w13: Array,
@@ -195,4 +276,64 @@ def moe_experts(x: Float[Array, "n h"], idx: Int[Array, "n k"], weight: Float[Ar
     return with_ref_vjp(kernel_fn, ref.moe_experts)(x, idx, weight, w13, w2)
 
 
-__all__ = ["grouped_matvec", "grid_for", "moe_experts"]
+def _joined_kernel(x, idx, weight, w13, w2, shared_w13, shared_w2, gamma, gated: bool, kw_up, kw_down) -> Array:
+    """moe_experts_with_shared's forward: token t's rows t * G .. t * G + G - 1 (G = k + S) are
+    its k routed choices then its S shared experts (module docstring)."""
+    n, k = idx.shape
+    s_sh = shared_w13.shape[0]
+    g = k + s_sh
+    flat = idx.reshape(n * k)
+    mv = lambda xr, w, we, x_repeat, kw: _grouped_matvec_extra_fwd(xr, flat, w, we, x_repeat=x_repeat, group=g, **kw)
+    gu = mv(x, w13, shared_w13, g, kw_up)  # [n * G, 2f] fp32, x read in place for its G rows
+    half = gu.shape[-1] // 2
+    act = jax.nn.silu(gu[:, :half]) * gu[:, half:]
+    if gated:  # the shared rows' sink gamma, before the rounding (shared_experts' order); routed rows x 1.0
+        mult = jnp.concatenate([jnp.ones((n, k), jnp.float32), gamma.astype(jnp.float32)], axis=1)
+        act = act * mult.reshape(n * g, 1)
+    y = mv(act.astype(x.dtype), w2, shared_w2, 1, kw_down)  # [n * G, h] fp32
+    y = y.astype(x.dtype).astype(jnp.float32).reshape(n, g, -1)
+    wt = weight.astype(jnp.float32)
+    acc = jnp.zeros((n, y.shape[-1]), jnp.float32)
+    for j in range(k):  # choice order, as ref.combine_choices
+        acc = acc + wt[:, j:j + 1] * y[:, j]
+    routed = acc.astype(x.dtype).astype(jnp.float32)  # moe_experts' output dtype, then moe_mlp's fp32 add
+    return (routed + jnp.sum(y[:, k:], axis=1)).astype(x.dtype)
+
+
+def moe_experts_with_shared(x: Float[Array, "n h"], idx: Int[Array, "n k"], weight: Float[Array, "n k"],
+                            w13: Array, w2: Array, shared_w13: Array, shared_w2: Array, gamma: Float[Array, "n S"],
+                            *, gated: bool, tf: int = TF, bh: int = BH, splits: int | None = None,
+                            num_warps: int = NUM_WARPS, target_programs: int = TARGET_PROGRAMS,
+                            interpret: bool = False) -> Float[Array, "n h"]:
+    """`ref.moe_experts_with_shared` (same signature and semantics: moe_experts plus the shared
+    experts, added as `layers.moe_mlp` adds them) with the routed AND shared rows of each
+    product in one grouped mat-vec launch; backward: the reference's VJP. The contracting
+    splits default to moe_experts' own for the n * k routed rows (routed rows bit for bit
+    moe_experts'); see the module docstring."""
+    n, k = idx.shape
+    h = x.shape[-1]
+    two_f = w13.shape[-1]
+    ok = (x.ndim == 2 and w13.ndim == 3 and w2.ndim == 3 and shared_w13.ndim == 3 and shared_w2.ndim == 3
+          and n > 0 and k > 0 and two_f % 2 == 0 and x.shape[0] == n and weight.shape == idx.shape
+          and w13.shape[1] == h and w2.shape[1:] == (two_f // 2, h) and w2.shape[0] == w13.shape[0]
+          and shared_w13.shape[1:] == w13.shape[1:] and shared_w2.shape[1:] == w2.shape[1:]
+          and shared_w13.shape[0] == shared_w2.shape[0] > 0 and (not gated or gamma.shape == (n, shared_w13.shape[0])))
+    ref_fn = lambda *a: ref.moe_experts_with_shared(*a, gated=gated)
+    args = (x, idx, weight, w13, w2, shared_w13, shared_w2, gamma)
+    sizes = dict(tf=tf, bh=bh, splits=splits, target_programs=target_programs)
+    up = _plan(n * k, h, two_f, **sizes) if ok else None
+    down = _plan(n * k, two_f // 2, h, **sizes) if ok else None
+    if up is None or down is None:
+        return ref_fn(*args)
+    # one split count per product for every row: the one moe_experts picks for its n * k rows
+    kw_up = dict(tf=tf, bh=bh, splits=up[2], num_warps=num_warps, target_programs=target_programs,
+                 interpret=interpret)
+    kw_down = {**kw_up, "splits": down[2]}
+
+    def kernel_fn(*a):
+        return _joined_kernel(*a, gated=gated, kw_up=kw_up, kw_down=kw_down)
+
+    return with_ref_vjp(kernel_fn, ref_fn)(*args)
+
+
+__all__ = ["grouped_matvec", "grid_for", "moe_experts", "moe_experts_with_shared"]
