@@ -215,7 +215,7 @@ def compile_step(cfg: InklingConfig, layout: ArenaLayout, shape: StepShape, use_
 # Command buffers scheduled CONCURRENT: the CUDA graph's nodes depend on the nodes whose
 # buffers they use, not each on the one before (XLA's default, SERIALIZE), so independent
 # kernels overlap and the graph launches without a serial chain of ~470 small kernels. On the
-# H200 (bench model, Engine.generate, K = 8; BENCHMARKS.md, 2026-12-05) decode went 1.384 ->
+# H200 (bench model, Engine.generate, K = 8, set as the XLA flag; BENCHMARKS.md, 2026-12-05) decode went 1.384 ->
 # 1.124 ms per token step at batch 1 and 2.528 -> 2.320 at batch 32.
 GPU_STEP_OPTIONS = {"xla_gpu_enable_cub_radix_sort": False,
                     "xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"}
