@@ -13,6 +13,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0")
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -142,6 +143,36 @@ def has_cuda_device() -> bool:
         return bool(jax.devices("cuda"))
     except RuntimeError:
         return False
+
+
+# ------------------------------------------------- RMSNorm kernels: GPU sum orders
+
+def row_ulps(got, want) -> float:
+    """max |got - want| in units of the dtype's eps times the row's largest |want|."""
+    eps = float(jnp.finfo(jnp.asarray(want).dtype).eps)
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    scale = np.maximum(np.abs(want).max(axis=-1, keepdims=True), 1e-30)
+    return float((np.abs(got - want) / scale).max() / eps)
+
+
+def sum_in_gpu_order(sq: np.ndarray, threads: int) -> np.float32:
+    """fp32 sum of a row's squares in a reduction order a GPU may use: `threads` threads each
+    summing a strided slice in turn, then a pairwise tree (threads = len(sq): the pure tree;
+    256: the shape of a Triton reduction over 8 warps)."""
+    a = sq.astype(np.float32)
+    a = np.stack([np.cumsum(a[i::threads], dtype=np.float32)[-1] for i in range(threads)])
+    while a.size > 1:
+        a = (a[0::2] + a[1::2]).astype(np.float32)
+    return a[0]
+
+
+def rms_norm_with_gpu_sum(x, w, eps: float, threads: int):
+    """rms_norm's formula on rows x [n, d] with the mean's sum in `sum_in_gpu_order` (the one
+    difference a compiled Triton norm kernel adds; rsqrt is libdevice's in both)."""
+    xf = np.asarray(x, np.float32)
+    ms = jnp.asarray([sum_in_gpu_order(r * r, threads) for r in xf])[:, None] / xf.shape[-1]
+    xs = jnp.asarray(xf) * jax.lax.rsqrt(ms + eps)
+    return (w.astype(x.dtype) * xs.astype(x.dtype)).astype(x.dtype)
 
 
 @contextlib.contextmanager

@@ -16,9 +16,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import has_cuda_device
-from test_kernels import (EXTRA_UNITS, NUM_SLOTS, Meta, assert_arena, assert_bits, conv_fields, odd_layout,
-                          random_arena, random_meta, tiny_layout)
+from conftest import has_cuda_device, rms_norm_with_gpu_sum
+from conftest import row_ulps as ulps
+from test_kernels import (EXTRA_UNITS, NUM_SLOTS, Meta, assert_arena, assert_bits, attn_stream_case, conv_fields,
+                          odd_layout, random_arena, random_meta, tiny_layout)
 
 import pallas_kernels as pk
 from inkling_jax.cache.layout import ArenaLayout, Field
@@ -37,14 +38,6 @@ def norm_call(op, lay: ArenaLayout, f: Field, ch: tuple[int, int], **kw):
         return op(arena, x, w, meta.rows, lay.slot_row(meta.active, f), lay.slot_row(meta.track_dest, f), residual,
                   norm_w, eps=EPS, window_shape=f.shape, channels=ch, sink_rows=lay.sink_rows, **kw)
     return call
-
-
-def ulps(got, want) -> float:
-    """max |got - want| in units of the dtype's eps times the row's largest |want|."""
-    eps = float(jnp.finfo(jnp.asarray(want).dtype).eps)
-    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
-    scale = np.maximum(np.abs(want).max(axis=-1, keepdims=True), 1e-30)
-    return float((np.abs(got - want) / scale).max() / eps)
 
 
 def assert_rows(got, want, what: str, max_ulps: float = 2.0) -> None:
@@ -129,22 +122,10 @@ def test_bench_width():
     assert_arena(got, want, arena, lay, "arena")
 
 
-def sum_in_order(sq: np.ndarray, order: str) -> np.float32:
-    """fp32 sum of a row's squares in a reduction order a GPU may use: "tree" (pairwise halves),
-    "threads" (256 threads each summing a strided slice in turn, then a pairwise tree: the shape
-    of a Triton reduction over 8 warps)."""
-    a = sq.astype(np.float32)
-    if order == "threads":
-        a = np.stack([np.float32(0) + np.cumsum(a[i::256], dtype=np.float32)[-1] for i in range(256)])
-    while a.size > 1:
-        a = (a[0::2] + a[1::2]).astype(np.float32)
-    return a[0]
-
-
 @pytest.mark.parametrize("dtype,max_ulps", [(jnp.float32, 4.0), (jnp.bfloat16, 1.0)])
 def test_tile_formula(dtype, max_ulps):
     """The compiled kernel's norm: `rms_norm_tile` (the row as a [nb, g] block) and the same
-    formula with the mean's sum taken in GPU-like orders (`sum_in_order`: Triton's order is its
+    formula with the mean's sum taken in GPU-like orders (`sum_in_gpu_order`: Triton's order is its
     layout's choice, XLA's its own) against the reference on rows of 2048: within 4 fp32 ulps /
     1 bf16 ulp of the row's largest |value|. On this CPU rms_norm_tile itself matches bit for
     bit; the sum order is the only difference the GPU adds (rsqrt is libdevice's in both)."""
@@ -157,12 +138,8 @@ def test_tile_formula(dtype, max_ulps):
         for g in (8, 64):
             got = jax.vmap(lambda row: pconv.rms_norm_tile(row.reshape(-1, g), w.reshape(-1, g), EPS))(x)
             worst = max(worst, ulps(got.reshape(x.shape), want))
-        xf = np.asarray(x, np.float32)
-        for order in ("tree", "threads"):
-            ms = jnp.asarray([sum_in_order(r * r, order) for r in xf])[:, None] / 2048.0
-            xs = jnp.asarray(xf) * jax.lax.rsqrt(ms + EPS)
-            got = (w.astype(dtype) * xs.astype(dtype)).astype(dtype)
-            worst = max(worst, ulps(got, want))
+        for threads in (2048, 256):  # a pairwise tree; 256 threads' strided sums, then a tree
+            worst = max(worst, ulps(rms_norm_with_gpu_sum(x, w, EPS, threads), want))
     assert worst <= max_ulps, worst
 
 
@@ -191,11 +168,7 @@ def test_fallback_is_the_composition():
 def test_gradients_match_reference():
     """The backward pass is the reference's VJP (custom_vjp, as conv_update's)."""
     rng = np.random.RandomState(5)
-    lay = tiny_layout(4)
-    f = lay.target[2].conv
-    ch = lay.target[2].channels("attn")
-    width = ch[1] - ch[0]
-    arena = random_arena(rng, lay, conv_fields(lay), jnp.float32)
+    lay, f, ch, width, arena = attn_stream_case(rng)
     x, w, res, nw = random_inputs(rng, 3, width, 4, jnp.float32, jnp.float32)
     meta = random_meta(rng, 3, 3, 3, decode=True)
     probes = [jnp.asarray(rng.standard_normal(s), jnp.float32) for s in (res.shape, res.shape, arena.shape)]

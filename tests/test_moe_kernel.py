@@ -239,9 +239,10 @@ def test_grouped_matvec_extra_rows():
     close(y, moe_ref.grouped_matvec_extra(xa, idx, w, wx, 1, g), rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("n,k,s_,gated", [(1, 2, 1, True), (2, 3, 2, False), (3, 4, 3, True), (4, 2, 2, True),
-                                          (1, 4, 2, False)])
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+# (tokens, top-k, shared experts, gated, dtype): each shape once, both dtypes gated and not
+@pytest.mark.parametrize("n,k,s_,gated,dtype", [
+    (1, 2, 1, True, jnp.float32), (3, 4, 3, True, jnp.float32), (2, 3, 2, False, jnp.float32),
+    (4, 2, 2, True, jnp.bfloat16), (1, 4, 2, False, jnp.bfloat16)], ids=["f32-1", "f32-3", "f32-2", "bf16-4", "bf16-1"])
 def test_moe_experts_with_shared(n, k, s_, gated, dtype):
     """The joined routed + shared experts against today's math (`ref.moe_experts_with_shared`)
     and today's kernels (moe_experts, the shared experts' grouped mat-vec, the add): the routed

@@ -13,8 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import has_cuda_device
-from test_conv_norm_kernel import ulps
+from conftest import has_cuda_device, rms_norm_with_gpu_sum
+from conftest import row_ulps as ulps
 
 import inkling_jax as ik
 import pallas_kernels as pk
@@ -55,16 +55,6 @@ def kernel_names(fn, *args) -> list:
                     elif isinstance(sub, jax.extend.core.Jaxpr):
                         yield from walk(sub)
     return list(walk(jax.make_jaxpr(fn)(*args).jaxpr))
-
-
-def sum_in_order(sq: np.ndarray, threads: int) -> np.float32:
-    """fp32 sum of a head's squares in a GPU-like order: `threads` threads each summing a
-    strided slice in turn, then a pairwise tree (threads = len: the pure tree)."""
-    a = sq.astype(np.float32)
-    a = np.stack([np.cumsum(a[i::threads], dtype=np.float32)[-1] for i in range(threads)])
-    while a.size > 1:
-        a = (a[0::2] + a[1::2]).astype(np.float32)
-    return a[0]
 
 
 def assert_close(got, want, dtype, what: str) -> None:
@@ -126,7 +116,7 @@ def test_fallback_is_the_reference():
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 def test_gpu_sum_order(dtype):
     """The compiled kernel's only difference: the mean's sum over head_dim in Triton's order.
-    The formula with that sum taken in GPU-like orders (`sum_in_order`: a pairwise tree, or
+    The formula with that sum taken in GPU-like orders (`sum_in_gpu_order`: a pairwise tree, or
     32 / 8 strided partial sums then a tree) against the reference on 128-wide heads at three
     scales: within 4 fp32 ulps / 1 bf16 ulp of each head's largest |value|."""
     rng = np.random.RandomState(9)
@@ -135,12 +125,8 @@ def test_gpu_sum_order(dtype):
         x = jnp.asarray(scale * rng.standard_normal((64, 128)), dtype)
         w = jnp.asarray(1 + 0.2 * rng.standard_normal((128,)), dtype)
         want = rnorm.rms_norm(x, w, EPS)
-        xf = np.asarray(x, np.float32)
         for threads in (128, 32, 8):
-            ms = jnp.asarray([sum_in_order(r * r, threads) for r in xf])[:, None] / 128.0
-            xs = jnp.asarray(xf) * jax.lax.rsqrt(ms + EPS)
-            got = (w.astype(dtype) * xs.astype(dtype)).astype(dtype)
-            worst = max(worst, ulps(got, want))
+            worst = max(worst, ulps(rms_norm_with_gpu_sum(x, w, EPS, threads), want))
     assert worst <= MAX_ULPS[dtype], worst
 
 
