@@ -2,7 +2,8 @@
 
     python bench/moe_micro.py            a few tokens: dense (every expert), gather (w13[idx]
                                          copies), slices (dynamic slice per choice)
-    python bench/moe_micro.py --many     many tokens: dense against the sorted-block grouped
+    python bench/moe_micro.py --many     many tokens: dense against jax.lax.ragged_dot
+                                         (layers.moe_experts_ragged) and the sorted-block grouped
                                          GEMM kernels (pallas_kernels/moe/grouped.py) per tiling
                                          (GPU); useful TFLOP/s count only the chosen experts
 """
@@ -24,7 +25,8 @@ from inkling_jax.model import layers as L  # noqa: E402
 
 
 TILINGS = ((64, 128, 64, 4, 3), (128, 128, 64, 8, 3), (64, 128, 64, 4, 4), (128, 128, 32, 4, 3),
-           (64, 64, 64, 4, 3))  # bm, bn, bk, num_warps, num_stages
+           (64, 64, 64, 4, 3), (128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (128, 64, 64, 4, 4))
+# bm, bn, bk, num_warps, num_stages
 
 
 def expert_weights():
@@ -55,6 +57,11 @@ def many(tokens=(64, 128, 512, 2048, 8192, 32768)) -> None:
         ref = np.asarray(dense(x, idx, wt, w13, w2), np.float32)
         t_dense = median_seconds(dense, x, idx, wt, w13, w2)
         print(f"| {n} | dense | {t_dense * 1e3:.3f} | {flops / t_dense / 1e12:.0f} | 1.00x | 0 |")
+        ragged = jax.jit(L.moe_experts_ragged)  # XLA's grouped GEMM (jax.lax.ragged_dot)
+        out = np.asarray(ragged(x, idx, wt, w13, w2), np.float32)
+        t = median_seconds(ragged, x, idx, wt, w13, w2)
+        print(f"| {n} | ragged_dot | {t * 1e3:.3f} | {flops / t / 1e12:.0f} | {t_dense / t:.2f}x | "
+              f"{np.abs(out - ref).max():.2e} |")
         for bm, bn, bk, nw, ns in TILINGS:
             fn = jax.jit(lambda *a, t=(bm, bn, bk, nw, ns): grouped.moe_experts_grouped(
                 *a, bm=t[0], bn=t[1], bk=t[2], num_warps=t[3], num_stages=t[4]))

@@ -109,8 +109,9 @@ def parse_args(argv=None):
     p.add_argument("--flag-batches", default="1,32", help="batch sizes of the flags section (smoke: 1)")
     p.add_argument("--prefill-cases", default=None, help="prefill section: NxL cases, N prompts of L tokens "
                    "submitted together (default 8x1024,1x8192; smoke: 2x32,1x128)")
-    p.add_argument("--prefill-kernels", default="pallas,jnp", help="prefill section: 'pallas' (the engine's default "
-                   "on a GPU) and / or 'jnp' (use_pallas=False), side by side (smoke: jnp)")
+    p.add_argument("--prefill-kernels", default="pallas,jnp", help="prefill section, side by side: 'pallas' (the "
+                   "engine's default on a GPU), 'ragged' (pallas with the many-token routed experts through "
+                   "jax.lax.ragged_dot), 'jnp' (use_pallas=False); smoke: jnp")
     p.add_argument("--decode-reps", type=int, default=3, help="decode section: timed runs per case (median, range)")
     p.add_argument("--prefill-reps", type=int, default=3, help="prefill section: timed runs per case (median)")
     p.add_argument("--prefill-step-tokens", type=int, default=0, help="prefill section: cap on tokens per extend "

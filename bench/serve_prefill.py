@@ -30,8 +30,8 @@ The caller (serve.py) puts the repository root and bench/ on `sys.path` first.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-
 import math
 import statistics
 
@@ -40,6 +40,9 @@ from common import Report, log, table
 from serve_loop import run, warm
 
 import inkling_jax as ik
+import pallas_kernels as pk
+from inkling_jax.engine import runner as runner_mod
+from inkling_jax.model import layers
 from inkling_jax.model.params import param_shapes
 
 TARGET = 0.40  # issue 17: fraction of bf16 peak
@@ -154,6 +157,29 @@ def _num(x: float) -> str:
     return f"{x:.1f}" if x >= 0.1 else f"{x:.2g}"
 
 
+KERNELS = ("pallas", "ragged", "jnp")  # --prefill-kernels
+
+
+@contextlib.contextmanager
+def prefill_kernels(kernel: str):
+    """The engine's step ops for one --prefill-kernels name: "pallas" / "jnp" as use_pallas
+    says; "ragged": the Pallas ops with the many-token routed experts through
+    `layers.moe_experts_ragged` (jax.lax.ragged_dot) instead of the sorted-block Pallas GEMMs
+    (steps compiled inside the block, the process-wide step cache emptied on both sides)."""
+    if kernel != "ragged":
+        yield
+        return
+    pallas_ops = pk._pallas_ops
+    pk._pallas_ops = lambda interpret: dataclasses.replace(pallas_ops(interpret),
+                                                           moe_experts_many=layers.moe_experts_ragged)
+    runner_mod._COMPILED.clear()
+    try:
+        yield
+    finally:
+        pk._pallas_ops = pallas_ops
+        runner_mod._COMPILED.clear()
+
+
 def section_prefill(args, cfg, params, report: Report) -> None:
     cases = parse_cases(args.prefill_cases)
     check_prefill_flops(cfg, [length for _, length in cases])
@@ -164,20 +190,21 @@ def section_prefill(args, cfg, params, report: Report) -> None:
     peak = args.peak_tflops * 1e12
     rows = []
     kernels = ["jnp"] if args.smoke else [k for k in args.prefill_kernels.split(",") if k]
-    if set(kernels) - {"pallas", "jnp"}:
-        raise SystemExit(f"--prefill-kernels takes pallas and / or jnp, not {args.prefill_kernels!r}")
+    if set(kernels) - set(KERNELS):
+        raise SystemExit(f"--prefill-kernels takes {', '.join(KERNELS)}, not {args.prefill_kernels!r}")
     for (n, length), kernel in [(c, k) for c in cases for k in kernels]:
         prompts = lambda: [list(rng.randint(3, v, length)) for _ in range(n)]  # noqa: E731
-        config = dataclasses.replace(prefill_config(args, n, length), use_pallas=kernel == "pallas")
-        engine = ik.Engine(cfg, params, config)
-        w = warm(engine, prompts(), sp)
-        compiles0 = engine.stats()["compiles"]
-        times, steps = [], []
-        for _ in range(args.prefill_reps):
-            before = engine.stats()["extend_steps"]
-            t = run(engine, prompts(), sp)
-            times.append(max(t.ttft))  # submit -> the last request's first token
-            steps.append(engine.stats()["extend_steps"] - before)
+        config = dataclasses.replace(prefill_config(args, n, length), use_pallas=kernel != "jnp")
+        with prefill_kernels(kernel):
+            engine = ik.Engine(cfg, params, config)
+            w = warm(engine, prompts(), sp)
+            compiles0 = engine.stats()["compiles"]
+            times, steps = [], []
+            for _ in range(args.prefill_reps):
+                before = engine.stats()["extend_steps"]
+                t = run(engine, prompts(), sp)
+                times.append(max(t.ttft))  # submit -> the last request's first token
+                steps.append(engine.stats()["extend_steps"] - before)
         grew = engine.stats()["compiles"] - compiles0
         if grew:
             log(f"WARNING prefill {n}x{length}: {grew} compiles during the timed runs")

@@ -413,6 +413,33 @@ def test_moe_experts_grouped_one_expert_and_defaults():
         grouped.moe_experts_grouped(x, idx, weight, w13, w2, bm=24)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_moe_experts_ragged(dtype):
+    """layers.moe_experts_ragged (jax.lax.ragged_dot over the choices sorted by expert, an
+    experts impl that computes only the chosen experts) is moe_experts_dense within the fp32
+    products' summation order: fp32 1e-5 relative, bf16 within an ulp; an out-of-range id is
+    clipped as dense clips it; jax.grad through it is dense's gradient (fp32, ids in range:
+    dense's gather drops an out-of-range id's gradient)."""
+    rng = np.random.default_rng(40 + (dtype == jnp.bfloat16))
+    x, idx, weight, w13, w2 = moe_inputs(rng, 40, 4, dtype, h=64, f=32)
+    ragged, dense = jax.jit(layers.moe_experts_ragged), jax.jit(layers.moe_experts_dense)
+    out_of_range = idx.at[1, 2].set(E + 2)
+    out, ref = ragged(x, out_of_range, weight, w13, w2), dense(x, out_of_range, weight, w13, w2)
+    assert out.shape == x.shape and out.dtype == dtype
+    scale = float(np.abs(np.asarray(ref, np.float32)).max())
+    if dtype == jnp.bfloat16:
+        assert ulps(out, ref, dtype) <= 1
+        return
+    close(out, ref, rtol=1e-5, atol=1e-5 * scale)
+    r = rand(rng, x.shape)
+    loss = lambda fn: lambda *a: jnp.sum(fn(*a) * r)
+    g = jax.jit(jax.grad(loss(layers.moe_experts_ragged), argnums=(0, 2, 3, 4)))(x, idx, weight, w13, w2)
+    g_ref = jax.jit(jax.grad(loss(layers.moe_experts_dense), argnums=(0, 2, 3, 4)))(x, idx, weight, w13, w2)
+    for a, b in zip(g, g_ref):
+        assert np.abs(np.asarray(b)).max() > 0
+        close(a, b, rtol=1e-5, atol=1e-5 * float(np.abs(np.asarray(b)).max()))
+
+
 def test_moe_mlp_picks_grouped_for_many_tokens():
     """layers.moe_mlp hands many tokens (n * k >= 8 E) to many_token_experts, fewer to dense."""
     cfg = ik.InklingConfig.tiny()

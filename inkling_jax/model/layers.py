@@ -458,8 +458,36 @@ def moe_experts_slices(x: Float[Array, "n h"], idx: Array, weight: Array, w13: A
     return jnp.stack(rows).astype(x.dtype)
 
 
+def moe_experts_ragged(x: Float[Array, "n h"], idx: Array, weight: Array, w13: Array, w2: Array) -> Array:
+    """Routed experts of many tokens through `jax.lax.ragged_dot`: the m = n * k choices
+    sorted by expert (stable; ids clipped to [0, E)), each projection one grouped product over
+    the experts' contiguous runs, so only chosen experts are computed (where XLA's lowering
+    computes groups as groups). The roundings are moe_experts_dense's (act and y in x's
+    dtype, fp32 products, the k outputs summed in choice order), the products' fp32 sums may
+    run in another order: equal to dense within fp32 rounding, bf16 within an ulp of act / y.
+
+    A candidate for `many_token_experts` against the Pallas sorted-block GEMMs
+    (`bench/moe_micro.py --many` times both on the GPU)."""
+    n, k = idx.shape
+    e = w13.shape[0]
+    expert = jnp.clip(idx.reshape(n * k), 0, e - 1).astype(jnp.int32)
+    order = jnp.argsort(expert, stable=True)  # sorted position -> choice t * k + j
+    group_sizes = jnp.zeros((e,), jnp.int32).at[expert].add(1)
+    xs = x[order // k]  # [m, h]: each choice's token row, by expert
+    gu = jax.lax.ragged_dot(xs, w13.astype(x.dtype), group_sizes, preferred_element_type=jnp.float32)
+    half = gu.shape[-1] // 2
+    act = (jax.nn.silu(gu[:, :half]) * gu[:, half:]).astype(x.dtype)  # [m, F]
+    y = jax.lax.ragged_dot(act, w2.astype(x.dtype), group_sizes, preferred_element_type=jnp.float32)
+    position = jnp.zeros((n * k,), jnp.int32).at[order].set(jnp.arange(n * k, dtype=jnp.int32))
+    y = y.astype(x.dtype).astype(jnp.float32)[position].reshape(n, k, -1)  # back to choice order
+    out = jnp.zeros((n, y.shape[-1]), jnp.float32)
+    for j in range(k):
+        out = out + weight[:, j, None].astype(jnp.float32) * y[:, j]
+    return out.astype(x.dtype)
+
+
 MOE_IMPLS = {"dense": lambda *a: moe_experts_dense(*a), "gather": lambda *a: moe_experts_gather(*a),
-             "slices": lambda *a: moe_experts_slices(*a)}
+             "slices": lambda *a: moe_experts_slices(*a), "ragged": lambda *a: moe_experts_ragged(*a)}
 
 
 # many_token_experts from n * k >= this * E choices: on the H200 (bench model, bench/moe_micro.py
