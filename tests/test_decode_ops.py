@@ -9,9 +9,10 @@ quietly bring them back:
 * the router's epilogue is one kernel per MoE layer (no `top_k` left);
 * the sliding rings are checkpointed by one conditional per step, not one per layer;
 * batch 1: the attention projections of the lone token go through the grouped mat-vec kernel;
-  a MoE layer's routed and shared experts are one grouped mat-vec launch per product
-  (`moe_experts_with_shared`: 2 per layer, where there were 4), the kernel reading the token's
-  row in place for every expert and clamping the ids itself (no repeat or clip of them outside);
+* batch 1 and 2 (at most E / 2 expert choices): a MoE layer's routed and shared experts are
+  one grouped mat-vec launch per product (`moe_experts_with_shared`: 2 per layer, where there
+  were 4), the kernel reading the token's row in place for every expert and clamping the ids
+  itself (no repeat or clip of them outside);
 * decode attention: one kernel per layer reading the arena in place (pages of 16 tokens here,
   so the full layer takes the paged kernel too), its split-K partials merged by one combine
   kernel (not XLA's reductions and cast), the relative bias and the log scaling computed in
@@ -109,18 +110,17 @@ def test_decode_loop_body(batch):
     # the kernels compute the bias from r and rel_proj: no bias-table product in any layer
     assert not [op for op in body if "attention_tables" in op[2]]
     assert not [op for op in body if op[0] == "dot_general" and "layer/attention/attend" in op[2]]
+    # per MoE layer w13 and w2 of the routed and shared experts (B x top-2 of 8 experts: at most
+    # E / 2 choices, the few-token kernel's bound); at batch 1 also per layer wqkvr and wo
     matvecs = kernels.count("moe_grouped_matvec")
-    if batch == 1:  # per layer wqkvr and wo; per MoE layer w13 and w2 of the routed and shared experts
-        assert matvecs == 2 * cfg.num_layers + 2 * moe_layers
-        joined = list(joined_expert_ops(jaxpr))
-        assert sum(1 for op in joined if op[0] == "pallas_call") == 2 * moe_layers
-        assert {op[1] for op in joined if op[0] == "pallas_call"} == {"moe_grouped_matvec"}
-        # no clip of the ids (clamp / max / min), no gather, no repeat of x (a broadcast of an array)
-        assert not [op for op in joined if op[0] in ("clamp", "max", "min", "gather", "iota")], joined
-        assert not [op for op in joined if op[0] == "broadcast_in_dim" and op[2]], joined
-        assert not [op for op in body if op[2].endswith(("/routed_experts", "/shared_experts"))]
-    else:  # B = 2 x top-2 of 8 experts: dense routed experts, the shared ones by einsum
-        assert matvecs == 0
+    assert matvecs == 2 * moe_layers + (2 * cfg.num_layers if batch == 1 else 0)
+    joined = list(joined_expert_ops(jaxpr))
+    assert sum(1 for op in joined if op[0] == "pallas_call") == 2 * moe_layers
+    assert {op[1] for op in joined if op[0] == "pallas_call"} == {"moe_grouped_matvec"}
+    # no clip of the ids (clamp / max / min), no gather, no repeat of x (a broadcast of an array)
+    assert not [op for op in joined if op[0] in ("clamp", "max", "min", "gather", "iota")], joined
+    assert not [op for op in joined if op[0] == "broadcast_in_dim" and op[2]], joined
+    assert not [op for op in body if op[2].endswith(("/routed_experts", "/shared_experts"))]
     # the residual convs carry the add and the next norm: one kernel each, two per layer; the
     # k|v conv stays conv_update. RMSNorms of the residual stream outside kernels (one rsqrt
     # each; not the per-head q / k norms under attention/, nor embed_norm): only the first

@@ -457,6 +457,31 @@ def test_moe_mlp_picks_grouped_for_many_tokens():
     assert calls == [need]
 
 
+def test_moe_mlp_picks_the_few_token_kernel_up_to_half_the_experts():
+    """layers.moe_mlp hands n * k <= E / 2 choices to few_token_experts (the grouped mat-vec
+    reads one expert per choice), more to dense (every expert once); without the kernel the
+    jnp slices keep their own bound (3 n k <= E)."""
+    cfg = ik.InklingConfig.tiny(n_routed_experts=16, num_experts_per_tok=2)
+    p = ik.init_params(cfg, jax.random.key(0))["layers"][cfg.dense_layer_ids[-1] + 1]["mlp"]
+    calls = []
+
+    def spy(name, fn):
+        def call(*a):
+            calls.append((name, a[0].shape[0]))
+            return fn(*a)
+        return call
+
+    monkey = {"slices": spy("slices", layers.moe_experts_slices), "dense": spy("dense", layers.moe_experts_dense)}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(layers, "MOE_IMPLS", monkey)
+        for n in (1, 2, 3, 4, 5):
+            x = jnp.ones((n, cfg.hidden_size), jnp.float32)
+            layers.moe_mlp(p, cfg, x, few_token_experts=spy("kernel", layers.moe_experts_slices))
+            layers.moe_mlp(p, cfg, x)
+    assert calls == [("kernel", 1), ("slices", 1), ("kernel", 2), ("slices", 2), ("kernel", 3), ("dense", 3),
+                     ("kernel", 4), ("dense", 4), ("dense", 5), ("dense", 5)]
+
+
 @pytest.mark.skipif(has_cuda_device(), reason="abstract CUDA lowering is for machines without a GPU")
 def test_grouped_lowers_for_gpu(verify_triton_modules):
     """The grouped GEMMs pass the Triton lowering for CUDA at the bench model's shapes, and

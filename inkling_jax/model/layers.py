@@ -490,6 +490,14 @@ MOE_IMPLS = {"dense": lambda *a: moe_experts_dense(*a), "gather": lambda *a: moe
              "slices": lambda *a: moe_experts_slices(*a), "ragged": lambda *a: moe_experts_ragged(*a)}
 
 
+# few_token_experts (the grouped mat-vec kernel, which reads one expert matrix per choice) up
+# to n * k <= this * E choices, where dense reads all E once: on the H200 (bench model) the
+# kernel moved its choices' bytes at 38 % (n = 1) and 52 % (n = 2) of copy bandwidth, rising
+# with the rows (BENCHMARKS.md, kernel table); dense's GEMMs read all E at most at copy
+# bandwidth: about E / 2 choices is where the two read for the same time (to be measured). This takes a batch-1 verify step (4 tokens, top-4
+# of 32) and decode up to batch 4 off dense (which read all 32 experts per MoE layer).
+FEW_TOKEN_KERNEL_CHOICES_PER_EXPERT = 0.5
+
 # many_token_experts from n * k >= this * E choices: on the H200 (bench model, bench/moe_micro.py
 # --many) the grouped GEMMs ran 0.6x dense at 128 tokens (16 choices per expert), 1.1x at 512
 # (64), 2.4x at 2048, 5.8x at 32768
@@ -545,9 +553,10 @@ def moe_mlp(p: Params, cfg: InklingConfig, x: Array, experts_impl: str = "auto",
             few_token_experts_with_shared: Any = None) -> Array:
     """MoE: routed top-k experts plus shared experts (sink-weighted or plain).
 
-    experts_impl: a MOE_IMPLS name, or "auto": a few tokens read only their experts (one slice
-    per choice, or `few_token_experts`, a function with moe_experts_slices' signature such as
-    the Pallas grouped mat-vec kernel); past 3 * n * k > E reading every expert once is cheaper
+    experts_impl: a MOE_IMPLS name, or "auto": a few tokens read only their experts:
+    `few_token_experts` (a function with moe_experts_slices' signature such as the Pallas
+    grouped mat-vec kernel) up to n * k <= FEW_TOKEN_KERNEL_CHOICES_PER_EXPERT * E, else one
+    slice per choice up to 3 * n * k <= E; past that reading every expert once is cheaper
     ("dense"); from n * k >= GROUPED_MIN_CHOICES_PER_EXPERT * E choices, `many_token_experts`
     when given (same signature: the Pallas sorted-block grouped GEMMs, which compute only the
     chosen experts; below that their padding of each expert's rows costs more than dense).
@@ -569,10 +578,12 @@ def moe_mlp(p: Params, cfg: InklingConfig, x: Array, experts_impl: str = "auto",
         idx, w = local_expert_choices(idx, w, p["w13"].shape[0], parallel)
     n = flat.shape[0]
     if experts_impl == "auto":
-        experts_impl = "slices" if 3 * n * routing_cfg.num_experts_per_tok <= cfg.n_routed_experts else "dense"
-        if experts_impl == "slices" and few_token_experts is not None:
+        choices = n * routing_cfg.num_experts_per_tok
+        if few_token_experts is not None and choices <= FEW_TOKEN_KERNEL_CHOICES_PER_EXPERT * cfg.n_routed_experts:
             experts_impl = few_token_experts
-        many = n * routing_cfg.num_experts_per_tok >= GROUPED_MIN_CHOICES_PER_EXPERT * routing_cfg.n_routed_experts
+        else:
+            experts_impl = "slices" if 3 * choices <= cfg.n_routed_experts else "dense"
+        many = choices >= GROUPED_MIN_CHOICES_PER_EXPERT * routing_cfg.n_routed_experts
         if experts_impl == "dense" and many and many_token_experts is not None:
             experts_impl = many_token_experts
     fn = experts_impl if callable(experts_impl) else MOE_IMPLS[experts_impl]
