@@ -1,7 +1,7 @@
 """The engine as a user sees it: `Engine.generate` (host loop included), timed end to end and
 per phase, on a GPU. One run, sections chosen with --sections:
 
-    python bench/serve.py [--sections prefix,decode,prefill,spec,fidelity,mesh,startup,flags] [--out FILE]
+    python bench/serve.py [--sections prefix,decode,prefill,verify,spec,fidelity,mesh,startup,flags] [--out FILE]
     python bench/serve.py --smoke      # tiny sizes on CPU: checks the script, measures nothing
 
 * prefix: the shared-system-prompt workload of issue 14 on the bench model (bf16, random
@@ -26,6 +26,13 @@ per phase, on a GPU. One run, sections chosen with --sections:
   same-shape case; median over --prefill-reps of submit -> the last request's first token,
   extend steps, compiles (checked not to grow while timed), tok/s, and model TFLOP/s from the
   useful forward FLOPs per token (bench/serve_prefill.py, checked against param_shapes).
+* verify: issue 17's lever 4, a speculative verify step's cost against a decode step's, on the
+  bench model with its MTP depths (bf16, random weights: drafts are mostly rejected, so this
+  times the steps, not speculation's gain): per batch size of --decode-batches, a plain engine
+  and one with spec_steps = --spec-steps (both one model step per dispatch, no overlap, prefix
+  cache off) on the same prompts; decode-phase ms per dispatch (a decode step, or a verify
+  step with its drafting) and per generated token step, and whether the greedy outputs are
+  equal (speculation must not change them).
 * spec: the shipped trained model (`inkling_jax/models/shakespeare`): mean accept length
   (bonus included) and acceptance per depth for spec_steps 1..3, tokens/s with and without
   speculation at batch 1 and 8, on Shakespeare-like prompts (greedy).
@@ -80,7 +87,7 @@ from serve_prefill import section_prefill  # noqa: E402
 
 import inkling_jax as ik  # noqa: E402
 
-SECTIONS = ("prefix", "decode", "prefill", "spec", "fidelity", "mesh", "startup", "flags")
+SECTIONS = ("prefix", "decode", "prefill", "verify", "spec", "fidelity", "mesh", "startup", "flags")
 PROSE = ["To be, or not to be, that is the question:", "ROMEO. But soft, what light through yonder window",
          "Now is the winter of our discontent", "HAMLET. O, that this too too solid flesh would melt,",
          "All the world's a stage, and all the men and women", "KING LEAR. Blow, winds, and crack your cheeks!",
@@ -112,6 +119,7 @@ def parse_args(argv=None):
     p.add_argument("--prefill-kernels", default="pallas,jnp", help="prefill section, side by side: 'pallas' (the "
                    "engine's default on a GPU), 'ragged' (pallas with the many-token routed experts through "
                    "jax.lax.ragged_dot), 'jnp' (use_pallas=False); smoke: jnp")
+    p.add_argument("--spec-steps", type=int, default=3, help="verify section: draft tokens per round")
     p.add_argument("--decode-reps", type=int, default=3, help="decode section: timed runs per case (median, range)")
     p.add_argument("--prefill-reps", type=int, default=3, help="prefill section: timed runs per case (median)")
     p.add_argument("--prefill-step-tokens", type=int, default=0, help="prefill section: cap on tokens per extend "
@@ -210,6 +218,49 @@ def section_decode(args, cfg, params, report: Report, bandwidth: float) -> dict:
                "greedy tokens, equal in every timed run (else each run's: a race would show here); trees or "
                "flags that must not change a result compare by it.", "decode")
     return per_batch
+
+
+def section_verify(args, report: Report) -> None:
+    """A verify step against a decode step in the engine loop (module docstring, verify)."""
+    cfg = ik.InklingConfig.tiny() if args.smoke else ik.InklingConfig.bench()
+    params = device_params(cfg, 0, jnp.float32 if args.smoke else jnp.bfloat16)
+    spec = min(args.spec_steps, cfg.num_mtp_layers)
+    rng = np.random.RandomState(4)
+    v = cfg.unpadded_vocab_size
+    sp = ik.SamplingParams(max_new_tokens=args.new, stop_at_eos=False)
+    rows = []
+    for b in [int(x) for x in args.decode_batches.split(",")]:
+        prompts = [list(rng.randint(3, v, args.prompt_len)) for _ in range(b)]
+        got = {}
+        for s in (0, spec):
+            config = dataclasses.replace(bench_config(args, b, prefix=False, decode_steps=1), spec_steps=s)
+            engine = ik.Engine(cfg, params, config)
+            warm(engine, prompts, ik.SamplingParams(max_new_tokens=8, stop_at_eos=False))
+            runs = []
+            for _ in range(max(1, args.decode_reps)):
+                runs.append(phases(engine, prompts, sp))
+                engine.evict_all()
+            per_dispatch = sorted(1e3 * r["decode_s"] / max(r["decode_dispatches"], 1) for r in runs)
+            got[s] = dict(ms=statistics.median(per_dispatch), lo=per_dispatch[0], hi=per_dispatch[-1],
+                          token_ms=statistics.median(decode_ms_per_token(r) for r in runs),
+                          digests={outputs_digest(r["reqs"]) for r in runs}, stats=engine.stats())
+            del engine
+        d, s_ = got[0], got[spec]
+        rows.append([b, spec, f"{d['ms']:.3f} ({d['lo']:.3f}-{d['hi']:.3f})",
+                     f"{s_['ms']:.3f} ({s_['lo']:.3f}-{s_['hi']:.3f})", f"{s_['ms'] / d['ms']:.2f}x",
+                     f"{d['token_ms']:.3f}", f"{s_['token_ms']:.3f}", f"{s_['stats']['mean_accept_length']:.2f}",
+                     "yes" if d["digests"] == s_["digests"] and len(d["digests"]) == 1 else
+                     f"NO: {sorted(d['digests'])} vs {sorted(s_['digests'])}"])
+        log(f"verify B={b}: {rows[-1]}")
+    report.add(f"### Verify step against decode step (issue 17 lever 4; {args.prompt_len}-token prompts, "
+               f"{args.new} new, {'fp32' if args.smoke else 'bf16'}, random weights)\n\n"
+               + table(["B", "spec_steps", "decode ms / dispatch", "verify ms / dispatch", "verify / decode",
+                        "decode ms / token step", "spec ms / token step", "mean accept length",
+                        "greedy outputs equal"], rows)
+               + "\n\nBoth engines: one model step per dispatch (decode_steps=1, no overlap), prefix cache off; "
+               "median (range) of the timed runs' decode phase. A verify dispatch drafts with the MTP depths and "
+               "checks spec_steps + 1 tokens per row. Random MTP heads: acceptance near zero, so the per-token "
+               "figures show the cost of speculation, not its gain (the spec section measures that).", "verify")
 
 
 def trained_model(args):
@@ -352,6 +403,8 @@ def main(argv=None) -> int:
         decode_ms = section_decode(args, cfg, params, report, bandwidth)
     if "prefill" in sections:
         section_prefill(args, cfg, params, report)
+    if "verify" in sections:
+        section_verify(args, report)
     if "spec" in sections:
         section_spec(args, report)
     if "fidelity" in sections:

@@ -126,11 +126,13 @@ def test_serve_child_error_line(bench):
 def test_serve_fresh_process_sections(tmp_path):
     """bench/serve.py --smoke's startup section (import; init_params, Engine and the first
     generate with an empty, then the filled compile cache, each in a fresh process) and flags
-    section (a working and an unknown XLA flag: the failure is a table cell, the run goes on)."""
+    section (a working and an unknown XLA flag: the failure is a table cell, the run goes on);
+    and the verify section's row (a plain and a speculative engine, same greedy outputs)."""
     out = tmp_path / "serve.md"
     env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
-    proc = subprocess.run([sys.executable, str(BENCH / "serve.py"), "--smoke", "--sections", "startup,flags",
-                           "--flag-variants", ";--xla_no_such_flag=1", "--out", str(out)],
+    proc = subprocess.run([sys.executable, str(BENCH / "serve.py"), "--smoke", "--sections", "startup,flags,verify",
+                           "--flag-variants", ";--xla_no_such_flag=1", "--decode-batches", "1", "--decode-reps", "1",
+                           "--out", str(out)],
                           capture_output=True, text=True, timeout=600, env=dict(env, JAX_PLATFORMS="cpu"))
     assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-3000:]
     text = out.read_text()
@@ -144,6 +146,8 @@ def test_serve_fresh_process_sections(tmp_path):
     assert float(base.split("|")[4]) > 0 and base.split("|")[5].strip() == "1.000"
     bad = next(line for line in lines if line.startswith("| `--xla_no_such_flag=1` | 1 | 1 |"))
     assert "failed: Unknown flag in XLA_FLAGS" in bad
+    verify = next(line.split("|") for line in lines if line.startswith("| 1 | 3 |"))
+    assert float(verify[3].split()[0]) > 0 and float(verify[4].split()[0]) > 0 and verify[9].strip() == "yes"
 
 
 def import_ab_decode():
