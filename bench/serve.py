@@ -120,6 +120,9 @@ def parse_args(argv=None):
                    "engine's default on a GPU), 'ragged' (pallas with the many-token routed experts through "
                    "jax.lax.ragged_dot), 'jnp' (use_pallas=False); smoke: jnp")
     p.add_argument("--spec-steps", type=int, default=3, help="verify section: draft tokens per round")
+    p.add_argument("--few-token-bounds", default="0.5", help="verify section: values of "
+                   "layers.FEW_TOKEN_KERNEL_CHOICES_PER_EXPERT to time the verify engine at, side by side "
+                   "(e.g. 0.3333,0.5: the bound before and after 9f3d57e)")
     p.add_argument("--decode-reps", type=int, default=3, help="decode section: timed runs per case (median, range)")
     p.add_argument("--prefill-reps", type=int, default=3, help="prefill section: timed runs per case (median)")
     p.add_argument("--prefill-step-tokens", type=int, default=0, help="prefill section: cap on tokens per extend "
@@ -222,45 +225,65 @@ def section_decode(args, cfg, params, report: Report, bandwidth: float) -> dict:
 
 def section_verify(args, report: Report) -> None:
     """A verify step against a decode step in the engine loop (module docstring, verify)."""
+    from inkling_jax.engine import runner as runner_mod
+    from inkling_jax.model import layers
+
     cfg = ik.InklingConfig.tiny() if args.smoke else ik.InklingConfig.bench()
     params = device_params(cfg, 0, jnp.float32 if args.smoke else jnp.bfloat16)
     spec = min(args.spec_steps, cfg.num_mtp_layers)
+    bounds = [float(x) for x in args.few_token_bounds.split(",") if x.strip()]
     rng = np.random.RandomState(4)
     v = cfg.unpadded_vocab_size
     sp = ik.SamplingParams(max_new_tokens=args.new, stop_at_eos=False)
+    default_bound = layers.FEW_TOKEN_KERNEL_CHOICES_PER_EXPERT
     rows = []
-    for b in [int(x) for x in args.decode_batches.split(",")]:
-        prompts = [list(rng.randint(3, v, args.prompt_len)) for _ in range(b)]
-        got = {}
-        for s in (0, spec):
-            config = dataclasses.replace(bench_config(args, b, prefix=False, decode_steps=1), spec_steps=s)
-            engine = ik.Engine(cfg, params, config)
-            warm(engine, prompts, ik.SamplingParams(max_new_tokens=8, stop_at_eos=False))
-            runs = []
-            for _ in range(max(1, args.decode_reps)):
-                runs.append(phases(engine, prompts, sp))
-                engine.evict_all()
-            per_dispatch = sorted(1e3 * r["decode_s"] / max(r["decode_dispatches"], 1) for r in runs)
-            got[s] = dict(ms=statistics.median(per_dispatch), lo=per_dispatch[0], hi=per_dispatch[-1],
-                          token_ms=statistics.median(decode_ms_per_token(r) for r in runs),
-                          digests={outputs_digest(r["reqs"]) for r in runs}, stats=engine.stats())
-            del engine
-        d, s_ = got[0], got[spec]
-        rows.append([b, spec, f"{d['ms']:.3f} ({d['lo']:.3f}-{d['hi']:.3f})",
-                     f"{s_['ms']:.3f} ({s_['lo']:.3f}-{s_['hi']:.3f})", f"{s_['ms'] / d['ms']:.2f}x",
-                     f"{d['token_ms']:.3f}", f"{s_['token_ms']:.3f}", f"{s_['stats']['mean_accept_length']:.2f}",
-                     "yes" if d["digests"] == s_["digests"] and len(d["digests"]) == 1 else
-                     f"NO: {sorted(d['digests'])} vs {sorted(s_['digests'])}"])
-        log(f"verify B={b}: {rows[-1]}")
+
+    def timed(config) -> dict:
+        engine = ik.Engine(cfg, params, config)
+        warm(engine, prompts, ik.SamplingParams(max_new_tokens=8, stop_at_eos=False))
+        runs = []
+        for _ in range(max(1, args.decode_reps)):
+            runs.append(phases(engine, prompts, sp))
+            engine.evict_all()
+        per_dispatch = sorted(1e3 * r["decode_s"] / max(r["decode_dispatches"], 1) for r in runs)
+        return dict(ms=statistics.median(per_dispatch), lo=per_dispatch[0], hi=per_dispatch[-1],
+                    token_ms=statistics.median(decode_ms_per_token(r) for r in runs),
+                    digests={outputs_digest(r["reqs"]) for r in runs}, stats=engine.stats())
+
+    try:
+        for b in [int(x) for x in args.decode_batches.split(",")]:
+            prompts = [list(rng.randint(3, v, args.prompt_len)) for _ in range(b)]
+            base = dataclasses.replace(bench_config(args, b, prefix=False, decode_steps=1), spec_steps=0)
+            layers.FEW_TOKEN_KERNEL_CHOICES_PER_EXPERT = default_bound
+            d = timed(base)
+            for bound in bounds:
+                # the few-token expert kernel's bound (layers.moe_mlp): steps compiled afresh
+                layers.FEW_TOKEN_KERNEL_CHOICES_PER_EXPERT = bound
+                runner_mod._COMPILED.clear()
+                s_ = timed(dataclasses.replace(base, spec_steps=spec))
+                runner_mod._COMPILED.clear()
+                rows.append([b, spec, f"{bound:g}", f"{d['ms']:.3f} ({d['lo']:.3f}-{d['hi']:.3f})",
+                             f"{s_['ms']:.3f} ({s_['lo']:.3f}-{s_['hi']:.3f})", f"{s_['ms'] / d['ms']:.2f}x",
+                             f"{d['token_ms']:.3f}", f"{s_['token_ms']:.3f}",
+                             f"{s_['stats']['mean_accept_length']:.2f}",
+                             "yes" if d["digests"] == s_["digests"] and len(d["digests"]) == 1 else
+                             f"NO: {sorted(d['digests'])} vs {sorted(s_['digests'])}"])
+                log(f"verify B={b} bound={bound}: {rows[-1]}")
+    finally:
+        layers.FEW_TOKEN_KERNEL_CHOICES_PER_EXPERT = default_bound
+        runner_mod._COMPILED.clear()
     report.add(f"### Verify step against decode step (issue 17 lever 4; {args.prompt_len}-token prompts, "
                f"{args.new} new, {'fp32' if args.smoke else 'bf16'}, random weights)\n\n"
-               + table(["B", "spec_steps", "decode ms / dispatch", "verify ms / dispatch", "verify / decode",
-                        "decode ms / token step", "spec ms / token step", "mean accept length",
+               + table(["B", "spec_steps", "few-token kernel bound", "decode ms / dispatch", "verify ms / dispatch",
+                        "verify / decode", "decode ms / token step", "spec ms / token step", "mean accept length",
                         "greedy outputs equal"], rows)
                + "\n\nBoth engines: one model step per dispatch (decode_steps=1, no overlap), prefix cache off; "
                "median (range) of the timed runs' decode phase. A verify dispatch drafts with the MTP depths and "
-               "checks spec_steps + 1 tokens per row. Random MTP heads: acceptance near zero, so the per-token "
-               "figures show the cost of speculation, not its gain (the spec section measures that).", "verify")
+               "checks spec_steps + 1 tokens per row. Few-token kernel bound: the verify engine's "
+               "`layers.FEW_TOKEN_KERNEL_CHOICES_PER_EXPERT` (routed experts of n tokens by the grouped mat-vec "
+               f"kernel up to n * k <= bound * E, else dense; {default_bound:g} is the library's, 1/3 the bound "
+               "before it). Random MTP heads: acceptance near zero, so the per-token figures show the cost of "
+               "speculation, not its gain (the spec section measures that).", "verify")
 
 
 def trained_model(args):

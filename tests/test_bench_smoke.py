@@ -146,8 +146,8 @@ def test_serve_fresh_process_sections(tmp_path):
     assert float(base.split("|")[4]) > 0 and base.split("|")[5].strip() == "1.000"
     bad = next(line for line in lines if line.startswith("| `--xla_no_such_flag=1` | 1 | 1 |"))
     assert "failed: Unknown flag in XLA_FLAGS" in bad
-    verify = next(line.split("|") for line in lines if line.startswith("| 1 | 3 |"))
-    assert float(verify[3].split()[0]) > 0 and float(verify[4].split()[0]) > 0 and verify[9].strip() == "yes"
+    verify = next(line.split("|") for line in lines if line.startswith("| 1 | 3 | 0.5 |"))
+    assert float(verify[4].split()[0]) > 0 and float(verify[5].split()[0]) > 0 and verify[10].strip() == "yes"
 
 
 def import_ab_decode():
