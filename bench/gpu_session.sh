@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# The GPU measurements issue 17 still owes, as named parts, so that one device call runs a
+# chosen few of them in order (each under a time limit, each into its own log under OUT):
+#
+#     bash bench/gpu_session.sh OUT check decode verify     # ~6 min on an H200, cold caches
+#     bash bench/gpu_session.sh OUT prefill moe profile     # ~6 min
+#
+# Parts:
+#   check    bench/gpu_check.py: Pallas == jnp greedy (small preset, fp32 / bf16) and the
+#            speculative engines (trained model, spec_steps 1 and 3) == plain greedy
+#   decode   serve.py decode at B = 1 and 32, K = 8 (the merged decode levers in the engine loop,
+#            CONCURRENT command buffers as the steps compile by default)
+#   verify   serve.py verify at B = 1 and 8, the few-token kernel bound before (1/3) and now (1/2)
+#   prefill  serve.py prefill at 8 x 1k and 1 x 8k: Pallas grouped GEMMs against ragged_dot
+#   moe      moe_micro.py --many: dense, ragged_dot and the grouped-GEMM tilings
+#   profile  profile_engine.py at B = 1 (decode, K = 8) and a B = 1 verify step (spec_steps 3)
+# Every part's command is printed before it runs; a part that fails or times out is reported
+# and the next one runs. serve.py's compiles go to the persistent cache $GPU_SESSION_CACHE
+# (default /tmp/gpu_session_cache): later parts and calls on a warm machine reuse them.
+set -uo pipefail
+OUT=${1:?usage: bench/gpu_session.sh OUT PART [PART ...]}
+shift
+mkdir -p "$OUT"
+cd "$(dirname "$0")/.."
+CACHE=${GPU_SESSION_CACHE:-/tmp/gpu_session_cache}
+
+run_part() {  # name, seconds, command...
+    local name=$1 limit=$2
+    shift 2
+    echo "== $name: $*"
+    local t0=$SECONDS
+    timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+    local rc=$?
+    echo "== $name: rc $rc in $((SECONDS - t0)) s; last lines:"
+    tail -n 25 "$OUT/$name.log"
+}
+
+for part in "$@"; do
+    case $part in
+        check) run_part check 240 python bench/gpu_check.py --outputs-out "$OUT/check.json" ;;
+        decode) run_part decode 240 python bench/serve.py --sections decode --decode-batches 1,32 \
+            --decode-steps 8 --cache-dir "$CACHE" --out "$OUT/decode.md" ;;
+        verify) run_part verify 300 python bench/serve.py --sections verify --decode-batches 1,8 \
+            --few-token-bounds 0.3333,0.5 --cache-dir "$CACHE" --out "$OUT/verify.md" ;;
+        prefill) run_part prefill 300 python bench/serve.py --sections prefill --prefill-kernels pallas,ragged \
+            --cache-dir "$CACHE" --out "$OUT/prefill.md" ;;
+        moe) run_part moe 150 python bench/moe_micro.py --many ;;
+        profile)
+            run_part profile_decode 150 python bench/profile_engine.py --batch 1
+            run_part profile_verify 150 python bench/profile_engine.py --batch 1 --spec-steps 3 ;;
+        *) echo "unknown part $part (check decode verify prefill moe profile)"; exit 2 ;;
+    esac
+done
