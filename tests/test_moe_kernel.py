@@ -347,9 +347,10 @@ def test_moe_lowers_for_gpu(verify_triton_modules):
               sds((32, 2048, 2048), wd), sds((32, 1024, 2048), bf))
     lower(lambda x, i, w: moe.grouped_matvec(x, i, w, splits=1), sds((4, 6144), bf), sds((4,), i32),
           sds((256, 6144, 2048), bf))
-    # the bench model's routed + shared experts in one launch per product (1 and 4 tokens)
-    for n in (1, 4):
-        lower(lambda *a: moe.moe_experts_with_shared(*a, gated=True), sds((n, 2048), bf), sds((n, 4), i32),
+    # the bench model's routed + shared experts in one launch per product (1 and 4 tokens; the
+    # down product's act prologue with and without the sink gamma)
+    for n, gated in ((1, True), (4, True), (1, False)):
+        lower(lambda *a: moe.moe_experts_with_shared(*a, gated=gated), sds((n, 2048), bf), sds((n, 4), i32),
               sds((n, 4), jnp.float32), sds((32, 2048, 2048), bf), sds((32, 1024, 2048), bf),
               sds((2, 2048, 2048), bf), sds((2, 1024, 2048), bf), sds((n, 2), jnp.float32))
     # the bench model's shared experts: one token's row read for its S = 2 experts in place

@@ -63,19 +63,24 @@ weight array w_extra (shared_w13 / shared_w2, expert ids E .. E + S - 1 in effec
 of a routed row clamps its id and walks w, one of a shared row walks w_extra[q - k], under a
 `pl.when` per branch, so each program loads from one array only and neither is concatenated
 to the other (a 100+ MB copy per step at the bench shapes). gate|up: one launch (x read in
-place, x_repeat = G); SwiGLU over all rows, the shared rows times their gamma (the routed rows
-times 1.0: exact), rounded to x's dtype: one XLA fusion; down: one launch; the combine (routed
-weighted sum in choice order, rounded to x's dtype, + the fp32 sum of the shared rows rounded
-to x's dtype, -> x's dtype, as `layers.moe_mlp` adds `layers.shared_experts`): one fusion.
-Where today's engine took clip + repeat + routed gate|up + shared repeat + shared gate|up + two
-activations + two downs + two combines, this is 2 launches + 2 fusions. The split count S of
-each product is moe_experts' for the n * k routed rows, so the routed rows are bit for bit
-moe_experts'; the shared rows' fp32 sums may split differently from the separate shared
-kernel's (n * S rows pick more splits), and XLA's sum over the splits may order an [m, S, F]
-reduction differently for another m. Measured against the separate kernels (n 1-4, k 2-4,
-S 1-3, h 256, f 128, tf = bh = 32, jit on CPU): bf16 bit-equal in 36 / 36 with
---xla_allow_excess_precision=false; fp32 within 1e-6 (max abs 9.5e-7 at outputs ~1-8). With
-XLA's default excess precision, XLA may drop a bf16 round trip (convert f32 -> bf16 -> f32) in
+place, x_repeat = G) writing its split partials [n * G, S_up, 2f]; down: one launch whose
+loads compute its rows of act themselves (the act prologue of `_partials`: the partials'
+sum over S_up in order, SwiGLU, the shared rows times their gamma (the routed rows times 1.0:
+exact), rounded to x's dtype), so no launch sits between the two products; the combine
+(routed weighted sum in choice order, rounded to x's dtype, + the fp32 sum of the shared rows
+rounded to x's dtype, -> x's dtype, as `layers.moe_mlp` adds `layers.shared_experts`): one
+fusion. Where today's engine took clip + repeat + routed gate|up + shared repeat + shared
+gate|up + two activations + two downs + two combines, this is 2 launches + 1 fusion. The
+split count S of each product is moe_experts' for the n * k routed rows, so the routed rows'
+products are moe_experts'; the shared rows' fp32 sums may split differently from the separate
+shared kernel's (n * S rows pick more splits), and XLA's sum over the splits may order an
+[m, S, F] reduction differently for another m. Measured against the separate kernels (n 1-4,
+k 2-4, S 1-3, h 256, f 128, tf = bh = 32, jit on CPU, the activation still an XLA fusion
+then): bf16 bit-equal in 36 / 36 with --xla_allow_excess_precision=false; fp32 within 1e-6
+(max abs 9.5e-7 at outputs ~1-8). The act prologue against that fusion (n 1-4, k 2-4, S 1-3,
+splits auto and 2, interpret mode, excess precision off): bf16 bit-equal in 12 / 12, fp32
+within 7.2e-7 (XLA contracts the fp32 activation into the products differently). With XLA's
+default excess precision, XLA may drop a bf16 round trip (convert f32 -> bf16 -> f32) in
 either program, differently in each (interpret mode shows the kernels' bodies to XLA too):
 25 / 36 equal there, the rest up to one bf16 rounding of a term apart.
 
@@ -135,21 +140,28 @@ def grid_for(m: int, h: int, f: int, *, tf: int = TF, bh: int = BH, splits: int 
 
 
 def _partials(x, idx, w, tf: int, bh: int, s: int, num_warps: int, interpret: bool, x_repeat: int = 1,
-              w_extra=None, group: int = 1) -> Array:
+              w_extra=None, group: int = 1, act_dtype=None, mult=None) -> Array:
     """part[i, s, :] = x[i // x_repeat, chunk s] @ W_i[chunk s], fp32 [m, S, F].
 
     Without w_extra: m = len(idx) and W_i = w[clip(idx[i], 0, E - 1)]. With w_extra [S', h, F]:
     rows come in groups of `group` = k + S' per token (m = n * group, idx [n * k]); row
     i = t * group + q reads W_i = w[clip(idx[t * k + q], 0, E - 1)] for q < k, w_extra[q - k]
     after (the expert id E + q - k): one branch per program loads from one of the two arrays,
-    so neither is copied into the other."""
-    h = x.shape[1]
+    so neither is copied into the other.
+
+    act_dtype (the SwiGLU prologue): x is then the previous product's partials [m_x, S_x, 2h]
+    fp32 (gate | up halves), and the row x[r] this product reads is
+    act = silu(sum_s x[r, s, :h]) * sum_s x[r, s, h:] (times mult[r] when given, [m_x] fp32),
+    rounded to act_dtype: what the activation between the two products computed in a launch of
+    its own (the sums over S_x in order s = 0, 1, ...)."""
+    h = x.shape[1] if act_dtype is None else x.shape[2] // 2
     n_experts, f = w.shape[0], w.shape[-1]
     k = group - (0 if w_extra is None else w_extra.shape[0])
     m = idx.shape[0] if w_extra is None else idx.shape[0] // k * group
     chunk = h // s
     nb = chunk // bh
-    dtype = x.dtype
+    dtype = x.dtype if act_dtype is None else jnp.dtype(act_dtype)
+    n_extra = 0 if w_extra is None else 1
 
     def kernel(idx_ref, x_ref, w_ref, *refs):
         o_ref = refs[-1]
@@ -158,10 +170,21 @@ def _partials(x, idx, w, tf: int, bh: int, s: int, num_warps: int, interpret: bo
         cols = pl.ds(pl.multiple_of(j * tf, tf), tf)
         base = c * chunk
 
+        def x_block(start):
+            rows = pl.ds(pl.multiple_of(start, bh), bh)
+            if act_dtype is None:
+                return x_ref[r, rows].astype(jnp.float32)
+            gate = jnp.sum(x_ref[r, :, rows], axis=0)  # [bh]: the gate partials' sum over S_x
+            up = jnp.sum(x_ref[r, :, pl.ds(pl.multiple_of(h + start, bh), bh)], axis=0)
+            a = jax.nn.silu(gate) * up
+            if mult is not None:
+                a = a * refs[n_extra][r]
+            return a.astype(dtype).astype(jnp.float32)
+
         def matvec(wt_ref, e):
             def block(b, acc):
                 rows = pl.ds(pl.multiple_of(base + b * bh, bh), bh)
-                xb = x_ref[r, rows].astype(jnp.float32)
+                xb = x_block(base + b * bh)
                 wb = wt_ref[e, rows, cols]
                 if wb.dtype != dtype:
                     wb = wb.astype(dtype)  # the reference's w.astype(x.dtype)
@@ -192,7 +215,7 @@ def _partials(x, idx, w, tf: int, bh: int, s: int, num_warps: int, interpret: bo
             def _():
                 matvec(refs[0], q - k)
 
-    extra = () if w_extra is None else (w_extra,)
+    extra = (() if w_extra is None else (w_extra,)) + (() if mult is None else (mult.astype(jnp.float32),))
     return pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((m, s, f), jnp.float32), grid=(m, f // tf, s),
                        aliases={}, interpret=interpret, num_warps=num_warps, name="moe_grouped_matvec")(
         idx.astype(jnp.int32), x, w, *extra)
@@ -276,21 +299,26 @@ def moe_experts(x: Float[Array, "n h"], idx: Int[Array, "n k"], weight: Float[Ar
     return with_ref_vjp(kernel_fn, ref.moe_experts)(x, idx, weight, w13, w2)
 
 
-def _joined_kernel(x, idx, weight, w13, w2, shared_w13, shared_w2, gamma, gated: bool, kw_up, kw_down) -> Array:
+def _joined_kernel(x, idx, weight, w13, w2, shared_w13, shared_w2, gamma, gated: bool, up, down, num_warps: int,
+                   interpret: bool) -> Array:
     """moe_experts_with_shared's forward: token t's rows t * G .. t * G + G - 1 (G = k + S) are
-    its k routed choices then its S shared experts (module docstring)."""
+    its k routed choices then its S shared experts (module docstring). up / down: the two
+    products' plans (tf', bh', splits)."""
     n, k = idx.shape
     s_sh = shared_w13.shape[0]
     g = k + s_sh
     flat = idx.reshape(n * k)
-    mv = lambda xr, w, we, x_repeat, kw: _grouped_matvec_extra_fwd(xr, flat, w, we, x_repeat=x_repeat, group=g, **kw)
-    gu = mv(x, w13, shared_w13, g, kw_up)  # [n * G, 2f] fp32, x read in place for its G rows
-    half = gu.shape[-1] // 2
-    act = jax.nn.silu(gu[:, :half]) * gu[:, half:]
-    if gated:  # the shared rows' sink gamma, before the rounding (shared_experts' order); routed rows x 1.0
-        mult = jnp.concatenate([jnp.ones((n, k), jnp.float32), gamma.astype(jnp.float32)], axis=1)
-        act = act * mult.reshape(n * g, 1)
-    y = mv(act.astype(x.dtype), w2, shared_w2, 1, kw_down)  # [n * G, h] fp32
+    # gate|up partials [n * G, S_up, 2f] fp32, x read in place for its G rows; their sum over
+    # S_up, SwiGLU, the shared rows' sink gamma (before the rounding, shared_experts' order;
+    # routed rows x 1.0: exact) and the rounding to x's dtype happen in the down product's
+    # loads (the act prologue): no launch between the two products
+    gu_part = _partials(x, flat, w13, *up, num_warps, interpret, x_repeat=g, w_extra=shared_w13, group=g)
+    mult = None
+    if gated:
+        mult = jnp.concatenate([jnp.ones((n, k), jnp.float32), gamma.astype(jnp.float32)], axis=1).reshape(n * g)
+    y_part = _partials(gu_part, flat, w2, *down, num_warps, interpret, w_extra=shared_w2, group=g,
+                       act_dtype=x.dtype, mult=mult)
+    y = y_part[:, 0] if down[2] == 1 else jnp.sum(y_part, axis=1)  # [n * G, h] fp32
     y = y.astype(x.dtype).astype(jnp.float32).reshape(n, g, -1)
     wt = weight.astype(jnp.float32)
     acc = jnp.zeros((n, y.shape[-1]), jnp.float32)
@@ -326,12 +354,9 @@ def moe_experts_with_shared(x: Float[Array, "n h"], idx: Int[Array, "n k"], weig
     if up is None or down is None:
         return ref_fn(*args)
     # one split count per product for every row: the one moe_experts picks for its n * k rows
-    kw_up = dict(tf=tf, bh=bh, splits=up[2], num_warps=num_warps, target_programs=target_programs,
-                 interpret=interpret)
-    kw_down = {**kw_up, "splits": down[2]}
 
     def kernel_fn(*a):
-        return _joined_kernel(*a, gated=gated, kw_up=kw_up, kw_down=kw_down)
+        return _joined_kernel(*a, gated=gated, up=up, down=down, num_warps=num_warps, interpret=interpret)
 
     return with_ref_vjp(kernel_fn, ref_fn)(*args)
 
