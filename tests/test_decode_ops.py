@@ -12,7 +12,8 @@ quietly bring them back:
 * batch 1 and 2 (at most E / 2 expert choices): a MoE layer's routed and shared experts are
   one grouped mat-vec launch per product (`moe_experts_with_shared`: 2 per layer, where there
   were 4), the kernel reading the token's row in place for every expert and clamping the ids
-  itself (no repeat or clip of them outside);
+  itself (no repeat or clip of them outside), the down product computing the SwiGLU of the
+  gate|up partials in its loads (no activation launch between the two);
 * decode attention: one kernel per layer reading the arena in place (pages of 16 tokens here,
   so the full layer takes the paged kernel too), its split-K partials merged by one combine
   kernel (not XLA's reductions and cast), the relative bias and the log scaling computed in
@@ -120,6 +121,8 @@ def test_decode_loop_body(batch):
     # no clip of the ids (clamp / max / min), no gather, no repeat of x (a broadcast of an array)
     assert not [op for op in joined if op[0] in ("clamp", "max", "min", "gather", "iota")], joined
     assert not [op for op in joined if op[0] == "broadcast_in_dim" and op[2]], joined
+    # the SwiGLU between the products runs in the down product's loads: no activation outside
+    assert not [op for op in joined if op[0] == "logistic"], joined
     assert not [op for op in body if op[2].endswith(("/routed_experts", "/shared_experts"))]
     # the residual convs carry the add and the next norm: one kernel each, two per layer; the
     # k|v conv stays conv_update. RMSNorms of the residual stream outside kernels (one rsqrt
