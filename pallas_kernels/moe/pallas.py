@@ -54,7 +54,9 @@ factor), or for empty / malformed inputs, the functions fall back to the referen
 read per choice with x_repeat = k) and computes gu = grouped_matvec(x, idx, w13), act = (silu(gate) *
 up) in x's dtype, y = grouped_matvec(act, idx, w2) rounded to x's dtype, then
 out[t] = sum_j weight[t, j] * y[t, j] in fp32 (the reference's order, j = 0 .. k-1), cast to
-x's dtype.
+x's dtype. The down product computes act itself as it loads it (the act prologue of
+`_partials`: the gate|up split partials summed in order, SwiGLU, the rounding), so no launch
+sits between the two products.
 
 `moe_experts_with_shared` (batch-1 to few-token decode, single device) runs both products over
 n * G rows, G = k + S per token, token-major: row t * G + q is token t's routed choice q for
@@ -268,10 +270,21 @@ def grouped_matvec(x: Float[Array, "mx h"], idx: Int[Array, "m"], w: Float[Array
     return with_ref_vjp(kernel_fn, lambda x, idx, w: ref.grouped_matvec(x, idx, w, x_repeat))(x, idx, w)
 
 
-def _moe_kernel(x, idx, weight, w13, w2, kw) -> Array:
-    # moe_experts' own VJP covers both products: the forward-only grouped mat-vec here
-    return ref.combine_choices(x, idx, weight, w13, w2,
-                               lambda xr, e, w, x_repeat: _grouped_matvec_fwd(xr, e, w, x_repeat=x_repeat, **kw))
+def _moe_kernel(x, idx, weight, w13, w2, up, down, num_warps: int, interpret: bool) -> Array:
+    """moe_experts' forward (its own VJP covers both products): `ref.combine_choices` with the
+    activation in the down product's loads (`_partials`' act prologue) instead of a launch of
+    its own between the two. up / down: the products' plans (tf', bh', splits)."""
+    n, k = idx.shape
+    flat = idx.reshape(n * k).astype(jnp.int32)
+    gu_part = _partials(x, flat, w13, *up, num_warps, interpret, x_repeat=k)  # [n * k, S_up, 2f] fp32
+    y_part = _partials(gu_part, flat, w2, *down, num_warps, interpret, act_dtype=x.dtype)
+    y = y_part[:, 0] if down[2] == 1 else jnp.sum(y_part, axis=1)
+    y = y.astype(x.dtype).astype(jnp.float32).reshape(n, k, -1)
+    wt = weight.astype(jnp.float32)
+    acc = jnp.zeros((n, y.shape[-1]), jnp.float32)
+    for j in range(k):  # choice order, as ref.combine_choices
+        acc = acc + wt[:, j:j + 1] * y[:, j]
+    return acc.astype(x.dtype)
 
 
 def moe_experts(x: Float[Array, "n h"], idx: Int[Array, "n k"], weight: Float[Array, "n k"], w13: Array,
@@ -287,15 +300,13 @@ def moe_experts(x: Float[Array, "n h"], idx: Int[Array, "n k"], weight: Float[Ar
     plans_ok = (x.ndim == 2 and w13.ndim == 3 and w2.ndim == 3 and n > 0 and k > 0 and two_f % 2 == 0
                 and x.shape[0] == n and weight.shape == idx.shape and w13.shape[1] == h
                 and w2.shape[1:] == (two_f // 2, h) and w2.shape[0] == w13.shape[0])
-    kw = dict(tf=tf, bh=bh, splits=splits, num_warps=num_warps, target_programs=target_programs,
-              interpret=interpret)
+    up = down = None
     if plans_ok:
-        sizes = dict(tf=tf, bh=bh, splits=None, target_programs=target_programs)
-        plans_ok = (_plan(n * k, h, two_f, **sizes) is not None
-                    and _plan(n * k, two_f // 2, h, **sizes) is not None)
-    if not plans_ok:
+        sizes = dict(tf=tf, bh=bh, splits=splits, target_programs=target_programs)
+        up, down = _plan(n * k, h, two_f, **sizes), _plan(n * k, two_f // 2, h, **sizes)
+    if up is None or down is None:
         return ref.moe_experts(x, idx, weight, w13, w2)
-    kernel_fn = lambda x, idx, weight, w13, w2: _moe_kernel(x, idx, weight, w13, w2, kw)
+    kernel_fn = lambda x, idx, weight, w13, w2: _moe_kernel(x, idx, weight, w13, w2, up, down, num_warps, interpret)
     return with_ref_vjp(kernel_fn, ref.moe_experts)(x, idx, weight, w13, w2)
 
 
