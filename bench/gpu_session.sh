@@ -14,6 +14,8 @@
 #   prefill  serve.py prefill at 8 x 1k and 1 x 8k: Pallas grouped GEMMs against ragged_dot
 #   moe      moe_micro.py --many: dense, ragged_dot and the grouped-GEMM tilings
 #   profile  profile_engine.py at B = 1 (decode, K = 8) and a B = 1 verify step (spec_steps 3)
+#   sweep    kernels.py at batch 1 with the MoE gate|up tile sweep and the batch-1 projections'
+#            tile / split sweep (splits=1: no summing launch after the product)
 # Every part's command is printed before it runs; a part that fails or times out is reported
 # and the next one runs. serve.py's compiles go to the persistent cache $GPU_SESSION_CACHE
 # (default /tmp/gpu_session_cache): later parts and calls on a warm machine reuse them.
@@ -48,6 +50,7 @@ for part in "$@"; do
         profile)
             run_part profile_decode 150 python bench/profile_engine.py --batch 1
             run_part profile_verify 150 python bench/profile_engine.py --batch 1 --spec-steps 3 ;;
-        *) echo "unknown part $part (check decode verify prefill moe profile)"; exit 2 ;;
+        sweep) run_part sweep 400 python bench/kernels.py --batches 1 --moe-sweep --proj-sweep --out "$OUT/sweep.md" ;;
+        *) echo "unknown part $part (check decode verify prefill moe profile sweep)"; exit 2 ;;
     esac
 done

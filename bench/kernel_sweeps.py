@@ -1,5 +1,6 @@
 """bench/kernels.py's sweeps: the conv_update kernel's channel block / warps / token tile on
-the cases that matter, and the MoE grouped mat-vec kernel's tiles."""
+the cases that matter, the MoE grouped mat-vec kernel's tiles, and the lone-row attention
+projections' mat-vec tiles and split counts against XLA's padded GEMM."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import importlib
 
 import jax
 import jax.numpy as jnp
+import inkling_jax as ik
+import numpy as np
 import pallas_kernels as pk
 from kernel_cases import EXTEND_L, Row, Setup, conv_update_case, moe_weights, rel_err
 from pallas_kernels.conv_state import pallas as conv_pallas
@@ -119,4 +122,58 @@ def moe_sweep(s: Setup, rng, n: int = 1) -> list[tuple[str, Row]]:
                     row = Row("grouped_matvec", label, "ERROR", error=f"{type(exc).__name__}: {exc}"[:100])
                 out.append((label, row))
                 print(f"moe sweep {label}: {row.check} {_us(row):.2f} us", flush=True)
+    return out
+
+
+def projection_sweep(s: Setup, rng) -> list[tuple[str, Row]]:
+    """A batch-1 token's attention projections (`wqkvr` of a sliding and a full layer, `wo`)
+    through the grouped mat-vec kernel (`StepContext.few_token_matvec`) per column tile tf,
+    contracting splits (1: no split partials to sum, so no summing launch after it in the
+    engine) and warps, and XLA's GEMM on the row padded to two (`layers.matmul` without the
+    kernel). Each timed op is the product plus what the engine does next with it (the sum over
+    the splits and the cast to the row's dtype; its first h columns feed the next op)."""
+    cfg = s.cfg
+    shapes = ik.param_shapes(cfg)["layers"]
+    full = next(i for i in range(cfg.num_layers) if i not in cfg.local_layer_ids)
+    cases = [("wqkvr sliding", shapes[0]["attn"]["wqkvr"]), ("wqkvr full", shapes[full]["attn"]["wqkvr"]),
+             ("wo", shapes[0]["attn"]["wo"])]
+    zero = jnp.zeros((1,), jnp.int32)
+    out = []
+    for name, (h, f) in cases:
+        key = jax.random.key(len(name))
+        w = (0.02 * jax.random.normal(key, (h, f), jnp.float32)).astype(s.dtype)
+        x = jax.random.normal(jax.random.fold_in(key, 1), (1, h), jnp.float32).astype(s.dtype)
+        want = np.asarray(jnp.matmul(x.astype(jnp.float32), w.astype(jnp.float32), precision="highest"))
+        nbytes = h * f * jnp.dtype(s.dtype).itemsize
+        products = [("XLA GEMM, row padded to two", lambda x_, w_: jnp.matmul(
+            jnp.pad(x_, ((0, 1), (0, 0))), w_, preferred_element_type=jnp.float32)[:1])]
+        smoke = s.interpret  # interpret mode (CPU): a few variants, to check the script
+        for tf in (16,) if smoke else (16, 32, 64, 128):
+            for splits in (1, None) if smoke else (1, 2, 4, 8, None):
+                for warps in (4,) if smoke else (4, 8):
+                    try:
+                        grid = moe_pallas.grid_for(1, h, f, tf=tf, splits=splits)
+                    except ValueError:  # splits that do not divide the row blocks
+                        continue
+                    if grid is None:
+                        continue
+                    kw = dict(tf=tf, splits=splits, num_warps=warps, interpret=s.interpret)
+                    products.append((f"mat-vec tf={tf} splits={splits or 'auto'} warps={warps} grid={grid}",
+                                     lambda x_, w_, kw=kw: moe_pallas.grouped_matvec(x_, zero, w_[None], **kw)))
+        for label, prod in products:
+            label = f"{name} [{h}, {f}], 1 row: {label}"
+
+            def op(x_, w_, prod=prod):  # y's first h columns, in x's dtype, are the next op's input
+                y = prod(x_, w_)
+                return jnp.pad(y, ((0, 0), (0, max(0, h - f))))[:, :h].astype(x_.dtype)
+
+            try:
+                got = np.asarray(jax.jit(prod)(x, w))
+                err = float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))
+                check = f"y~ {err:.1e}" if err <= 1e-2 else f"FAIL y {err:.1e}"
+                row = Row("projection", label, check, s.timer.timed(op, x.copy(), (w,)), None, nbytes)
+            except Exception as exc:  # noqa: BLE001 - report and carry on
+                row = Row("projection", label, "ERROR", error=f"{type(exc).__name__}: {exc}"[:100])
+            out.append((label, row))
+            print(f"projection sweep {label}: {row.check} {_us(row):.2f} us", flush=True)
     return out

@@ -1,7 +1,7 @@
 """Pallas conv-state / slot / MoE kernels against their jnp (XLA) references, on the GPU.
 
     python bench/kernels.py [--out kernels.md]   # InklingConfig.bench() streams, K=4, bf16 arena, batch 1/32/256
-    python bench/kernels.py --sweep [grid|default] [--compare-module M] [--moe-sweep]
+    python bench/kernels.py --sweep [grid|default] [--compare-module M] [--moe-sweep] [--proj-sweep]
     python bench/kernels.py --smoke    # tiny sizes, interpret mode: runs anywhere (CPU) in about a minute
 
 For every (kernel, stream, batch) it first checks the kernel against the reference on random
@@ -19,7 +19,8 @@ kernel of that size can reach). With --smoke (CPU, no trace) times are wall time
 matter (--sweep default: the default plan only), and on the extend cases over tokens per
 program (tile 1-8); --compare-module M also times M.conv_update
 (e.g. an earlier pallas_kernels/conv_state/pallas.py copied beside it). --moe-sweep times the MoE
-grouped mat-vec kernel's tiles.
+grouped mat-vec kernel's tiles; --proj-sweep the batch-1 attention projections' mat-vec tiles
+and split counts against XLA's padded GEMM.
 
 check: `exact` = arena (outside the sink) and y bit for bit; `y~ e` = arena exact, y within
 e (max |diff| / max |y|; the reference's fp32 accumulation order on GPU is XLA's choice);
@@ -48,7 +49,7 @@ import pallas_kernels as pk  # noqa: E402
 from common import copy_bandwidth  # noqa: E402
 from kernel_cases import (EXTEND_L, Row, Setup, conv_update_case, conv_write_case, make_setup, moe_case,  # noqa: E402
                           slot_cases)
-from kernel_sweeps import moe_sweep, sweep  # noqa: E402
+from kernel_sweeps import moe_sweep, projection_sweep, sweep  # noqa: E402
 from kernel_timing import FLUSH_BYTES  # noqa: E402
 
 
@@ -62,6 +63,8 @@ def parse_args(argv=None):
                    help="also time the conv_update kernel on the sweep cases: every block / warp choice (grid), "
                         "or the default plan only (with --compare-module: side by side)")
     p.add_argument("--moe-sweep", action="store_true", help="also time the MoE kernel's tile choices")
+    p.add_argument("--proj-sweep", action="store_true", help="also time the batch-1 attention projections' "
+                   "mat-vec tiles and splits")
     p.add_argument("--compare-module", default="", help="with --sweep: also time this module's conv_update")
     p.add_argument("--out", default="", help="also write the table(s) to this markdown file")
     return p.parse_args(argv)
@@ -130,7 +133,8 @@ def sweep_tables(swept: list, moe_swept: list, bw: float) -> list[str]:
             lines.append(f"| {shape} | {block} | {warps} | {r.check} | {t * 1e6:.2f} | "
                          f"{100 * r.nbytes / t / bw:.1f}% |")
     if moe_swept:
-        lines += ["", "MoE grouped mat-vec kernel: tiles (Pallas only)", "",
+        lines += ["", "Grouped mat-vec kernel: tiles (MoE gate|up) and the batch-1 projections' tiles and splits "
+                  "(vs XLA's padded GEMM)", "",
                   "| case | check | Pallas µs | % copy BW |", "|---|---|---:|---:|"]
         for label, r in moe_swept:
             t = r.t_pallas.seconds if r.t_pallas else float("nan")
@@ -158,6 +162,7 @@ def main(argv=None) -> int:
     rows = run_cases(s, ops, rng)
     swept = sweep(s, rng, args.compare_module, grid=args.sweep == "grid") if args.sweep else []
     moe_swept = moe_sweep(s, rng) if args.moe_sweep else []
+    moe_swept += projection_sweep(s, rng) if args.proj_sweep else []
 
     unit = "device µs (kernels only, L2 flushed between ops)" if s.timer.flush else "wall µs / op"
     lines = [head, "", f"Pallas vs XLA reference; copy bandwidth {bw / 1e9:.0f} GB/s; {jax.devices()[0].device_kind}; "
