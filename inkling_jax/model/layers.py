@@ -494,8 +494,9 @@ MOE_IMPLS = {"dense": lambda *a: moe_experts_dense(*a), "gather": lambda *a: moe
 # to n * k <= this * E choices, where dense reads all E once: on the H200 (bench model) the
 # kernel moved its choices' bytes at 38 % (n = 1) and 52 % (n = 2) of copy bandwidth, rising
 # with the rows (BENCHMARKS.md, kernel table); dense's GEMMs read all E at most at copy
-# bandwidth: about E / 2 choices is where the two read for the same time (to be measured). This takes a batch-1 verify step (4 tokens, top-4
-# of 32) and decode up to batch 4 off dense (which read all 32 experts per MoE layer).
+# bandwidth: about E / 2 choices is where the two take the same time (an estimate: bench/
+# serve.py --sections verify --few-token-bounds measures it). This takes a batch-1 verify step
+# (4 tokens, top-4 of 32) and decode up to batch 4 off dense (all 32 experts per MoE layer).
 FEW_TOKEN_KERNEL_CHOICES_PER_EXPERT = 0.5
 
 # many_token_experts from n * k >= this * E choices: on the H200 (bench model, bench/moe_micro.py

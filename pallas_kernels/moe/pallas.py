@@ -270,6 +270,23 @@ def grouped_matvec(x: Float[Array, "mx h"], idx: Int[Array, "m"], w: Float[Array
     return with_ref_vjp(kernel_fn, lambda x, idx, w: ref.grouped_matvec(x, idx, w, x_repeat))(x, idx, w)
 
 
+def _expert_outputs(y_part: Array, splits: int, dtype, n: int) -> Array:
+    """The down product's split partials [n * G, S, h] -> each row's output rounded to the
+    tokens' dtype, fp32 [n, G, h] (G rows per token)."""
+    y = y_part[:, 0] if splits == 1 else jnp.sum(y_part, axis=1)
+    return y.astype(dtype).astype(jnp.float32).reshape(n, -1, y.shape[-1])
+
+
+def _routed_sum(y: Array, weight: Array) -> Array:
+    """sum_j weight[t, j] * y[t, j] over a token's k routed rows (the first k of its G), fp32,
+    in choice order (as ref.combine_choices sums)."""
+    wt = weight.astype(jnp.float32)
+    acc = jnp.zeros((y.shape[0], y.shape[-1]), jnp.float32)
+    for j in range(weight.shape[1]):
+        acc = acc + wt[:, j:j + 1] * y[:, j]
+    return acc
+
+
 def _moe_kernel(x, idx, weight, w13, w2, up, down, num_warps: int, interpret: bool) -> Array:
     """moe_experts' forward (its own VJP covers both products): `ref.combine_choices` with the
     activation in the down product's loads (`_partials`' act prologue) instead of a launch of
@@ -278,13 +295,7 @@ def _moe_kernel(x, idx, weight, w13, w2, up, down, num_warps: int, interpret: bo
     flat = idx.reshape(n * k).astype(jnp.int32)
     gu_part = _partials(x, flat, w13, *up, num_warps, interpret, x_repeat=k)  # [n * k, S_up, 2f] fp32
     y_part = _partials(gu_part, flat, w2, *down, num_warps, interpret, act_dtype=x.dtype)
-    y = y_part[:, 0] if down[2] == 1 else jnp.sum(y_part, axis=1)
-    y = y.astype(x.dtype).astype(jnp.float32).reshape(n, k, -1)
-    wt = weight.astype(jnp.float32)
-    acc = jnp.zeros((n, y.shape[-1]), jnp.float32)
-    for j in range(k):  # choice order, as ref.combine_choices
-        acc = acc + wt[:, j:j + 1] * y[:, j]
-    return acc.astype(x.dtype)
+    return _routed_sum(_expert_outputs(y_part, down[2], x.dtype, n), weight).astype(x.dtype)
 
 
 def moe_experts(x: Float[Array, "n h"], idx: Int[Array, "n k"], weight: Float[Array, "n k"], w13: Array,
@@ -329,13 +340,8 @@ def _joined_kernel(x, idx, weight, w13, w2, shared_w13, shared_w2, gamma, gated:
         mult = jnp.concatenate([jnp.ones((n, k), jnp.float32), gamma.astype(jnp.float32)], axis=1).reshape(n * g)
     y_part = _partials(gu_part, flat, w2, *down, num_warps, interpret, w_extra=shared_w2, group=g,
                        act_dtype=x.dtype, mult=mult)
-    y = y_part[:, 0] if down[2] == 1 else jnp.sum(y_part, axis=1)  # [n * G, h] fp32
-    y = y.astype(x.dtype).astype(jnp.float32).reshape(n, g, -1)
-    wt = weight.astype(jnp.float32)
-    acc = jnp.zeros((n, y.shape[-1]), jnp.float32)
-    for j in range(k):  # choice order, as ref.combine_choices
-        acc = acc + wt[:, j:j + 1] * y[:, j]
-    routed = acc.astype(x.dtype).astype(jnp.float32)  # moe_experts' output dtype, then moe_mlp's fp32 add
+    y = _expert_outputs(y_part, down[2], x.dtype, n)  # [n, G, h] fp32
+    routed = _routed_sum(y, weight).astype(x.dtype).astype(jnp.float32)  # moe_experts' dtype, then moe_mlp's add
     return (routed + jnp.sum(y[:, k:], axis=1)).astype(x.dtype)
 
 
