@@ -214,6 +214,13 @@ def ulps(a, b, dtype):
     return float((np.abs(a - b) / ulp).max())
 
 
+def extra_rows(x, idx, w, wx, x_repeat: int, group: int):
+    """The joined kernel's product (`moe._partials` with w_extra, default plan at tf = bh = 32)
+    summed over its splits: fp32 [n * group, F]."""
+    tf, bh, s = moe._plan(x.shape[0] * x_repeat, x.shape[1], w.shape[2], 32, 32, None, 512)
+    return jnp.sum(moe._partials(x, idx, w, tf, bh, s, 4, INTERPRET, x_repeat, wx, group), axis=1)
+
+
 def test_grouped_matvec_extra_rows():
     """The joined kernel's rows (token t: its k routed choices, then the S experts of w_extra),
     x read in place for the group and out-of-range routed ids clamped into w (never into
@@ -223,8 +230,7 @@ def test_grouped_matvec_extra_rows():
     g = k + s_
     x, w, wx = rand(rng, (n, h)), rand(rng, (E, h, f)), rand(rng, (s_, h, f))
     idx = jnp.asarray([E + 2, -1, 4, 0, E - 1, 7], jnp.int32)
-    y = moe._grouped_matvec_extra_fwd(x, idx, w, wx, x_repeat=g, group=g, tf=32, bh=32, splits=None, num_warps=4,
-                                      target_programs=512, interpret=INTERPRET)
+    y = extra_rows(x, idx, w, wx, g, g)
     want = moe_ref.grouped_matvec_extra(x, idx, w, wx, g, g)
     assert y.shape == (n * g, f)
     close(y, want, rtol=1e-5, atol=1e-4)
@@ -234,8 +240,7 @@ def test_grouped_matvec_extra_rows():
     close(want.reshape(n, g, f)[:, k:], np.einsum("nh,shf->nsf", np.asarray(x), np.asarray(wx)), rtol=1e-5, atol=1e-4)
     # x_repeat = 1 (the down product): one row of x per row
     xa = rand(rng, (n * g, h))
-    y = moe._grouped_matvec_extra_fwd(xa, idx, w, wx, x_repeat=1, group=g, tf=32, bh=32, splits=None, num_warps=4,
-                                      target_programs=512, interpret=INTERPRET)
+    y = extra_rows(xa, idx, w, wx, 1, g)
     close(y, moe_ref.grouped_matvec_extra(xa, idx, w, wx, 1, g), rtol=1e-5, atol=1e-4)
 
 

@@ -238,22 +238,6 @@ def _grouped_matvec_fwd(x, idx, w, *, x_repeat: int = 1, tf: int, bh: int, split
     return part[:, 0] if s == 1 else jnp.sum(part, axis=1)
 
 
-def _grouped_matvec_extra_fwd(x, idx, w, w_extra, *, x_repeat: int, group: int, tf: int, bh: int, splits: int | None,
-                              num_warps: int, target_programs: int, interpret: bool) -> Array:
-    """`ref.grouped_matvec_extra` in one launch (forward only): the kernel, or the reference
-    where the shapes need it."""
-    k = group - w_extra.shape[0]
-    ok = (x.ndim == 2 and w.ndim == 3 and w_extra.ndim == 3 and idx.ndim == 1 and k >= 1 and x_repeat >= 1
-          and idx.shape[0] % k == 0 and idx.shape[0] // k * group == x.shape[0] * x_repeat
-          and w.shape[1] == w_extra.shape[1] == x.shape[1] and w.shape[2] == w_extra.shape[2])
-    plan = _plan(x.shape[0] * x_repeat, x.shape[1], w.shape[2], tf, bh, splits, target_programs) if ok else None
-    if plan is None:
-        return ref.grouped_matvec_extra(x, idx, w, w_extra, x_repeat, group)
-    tf_, bh_, s = plan
-    part = _partials(x, idx, w, tf_, bh_, s, num_warps, interpret, x_repeat, w_extra, group)
-    return part[:, 0] if s == 1 else jnp.sum(part, axis=1)
-
-
 def grouped_matvec(x: Float[Array, "mx h"], idx: Int[Array, "m"], w: Float[Array, "E h F"], *, x_repeat: int = 1,
                    tf: int = TF, bh: int = BH, splits: int | None = None, num_warps: int = NUM_WARPS,
                    target_programs: int = TARGET_PROGRAMS, interpret: bool = False) -> Float[Array, "m F"]:
