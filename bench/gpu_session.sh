@@ -2,12 +2,16 @@
 # The GPU measurements issue 17 still owes, as named parts, so that one device call runs a
 # chosen few of them in order (each under a time limit, each into its own log under OUT):
 #
-#     bash bench/gpu_session.sh OUT check decode verify     # ~6 min on an H200, cold caches
-#     bash bench/gpu_session.sh OUT prefill moe profile     # ~6 min
+#     bash bench/gpu_session.sh OUT check modes decode      # ~7 min on an H200, cold caches
+#     bash bench/gpu_session.sh OUT verify prefill moe      # ~8 min
+#     bash bench/gpu_session.sh OUT profile sweep           # ~8 min
 #
 # Parts:
 #   check    bench/gpu_check.py: Pallas == jnp greedy (small preset, fp32 / bf16) and the
 #            speculative engines (trained model, spec_steps 1 and 3) == plain greedy
+#   modes    gpu_check again under XLA_FLAGS=...scheduling_mode=SERIALIZE, its outputs compared
+#            byte for byte with check's (CONCURRENT command buffers must not change a result;
+#            run after check)
 #   decode   serve.py decode at B = 1 and 32, K = 8 (the merged decode levers in the engine loop,
 #            CONCURRENT command buffers as the steps compile by default)
 #   verify   serve.py verify at B = 1 and 8, the few-token kernel bound before (1/3) and now (1/2)
@@ -40,6 +44,14 @@ run_part() {  # name, seconds, command...
 for part in "$@"; do
     case $part in
         check) run_part check 240 python bench/gpu_check.py --outputs-out "$OUT/check.json" ;;
+        modes)
+            XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_command_buffer_scheduling_mode=SERIALIZE" \
+                run_part modes 240 python bench/gpu_check.py --outputs-out "$OUT/check_serialize.json"
+            if cmp "$OUT/check.json" "$OUT/check_serialize.json"; then
+                echo "== modes: outputs equal (CONCURRENT vs SERIALIZE)"
+            else
+                echo "== modes: OUTPUTS DIFFER (CONCURRENT vs SERIALIZE)"
+            fi ;;
         decode) run_part decode 240 python bench/serve.py --sections decode --decode-batches 1,32 \
             --decode-steps 8 --cache-dir "$CACHE" --out "$OUT/decode.md" ;;
         verify) run_part verify 300 python bench/serve.py --sections verify --decode-batches 1,8 \
@@ -51,6 +63,6 @@ for part in "$@"; do
             run_part profile_decode 150 python bench/profile_engine.py --batch 1
             run_part profile_verify 150 python bench/profile_engine.py --batch 1 --spec-steps 3 ;;
         sweep) run_part sweep 400 python bench/kernels.py --batches 1 --moe-sweep --proj-sweep --out "$OUT/sweep.md" ;;
-        *) echo "unknown part $part (check decode verify prefill moe profile sweep)"; exit 2 ;;
+        *) echo "unknown part $part (check modes decode verify prefill moe profile sweep)"; exit 2 ;;
     esac
 done
