@@ -131,7 +131,7 @@ def test_serve_fresh_process_sections(tmp_path):
     out = tmp_path / "serve.md"
     env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
     proc = subprocess.run([sys.executable, str(BENCH / "serve.py"), "--smoke", "--sections", "startup,flags,verify",
-                           "--flag-variants", ";--xla_no_such_flag=1", "--decode-batches", "1", "--decode-reps", "1",
+                           "--flag-variants", ";--xla_no_such_flag=1", "--decode-batches", "1", "--decode-reps", "1", "--spec-steps", "1",
                            "--out", str(out)],
                           capture_output=True, text=True, timeout=600, env=dict(env, JAX_PLATFORMS="cpu"))
     assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-3000:]
@@ -146,7 +146,7 @@ def test_serve_fresh_process_sections(tmp_path):
     assert float(base.split("|")[4]) > 0 and base.split("|")[5].strip() == "1.000"
     bad = next(line for line in lines if line.startswith("| `--xla_no_such_flag=1` | 1 | 1 |"))
     assert "failed: Unknown flag in XLA_FLAGS" in bad
-    verify = next(line.split("|") for line in lines if line.startswith("| 1 | 3 | 0.5 |"))
+    verify = next(line.split("|") for line in lines if line.startswith("| 1 | 1 | 0.5 |"))
     assert float(verify[4].split()[0]) > 0 and float(verify[5].split()[0]) > 0 and verify[10].strip() == "yes"
 
 

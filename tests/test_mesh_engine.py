@@ -33,7 +33,7 @@ CFG = ik.InklingConfig.tiny()
 # ENGINE_KW's pool; max_context 64 keeps one page bucket, so an engine compiles two steps
 # (extend + decode, or extend + verify), shared by every engine of the same mesh.
 KW = dict(ENGINE_KW, max_context=64)
-MESHES = [(2, 1), (2, 4)]  # tp alone, tp x ep (ep alone: test_mesh.py's forward parity)
+MESHES = [(2, 4)]  # tp x ep (tp or ep alone: test_mesh.py's forward parity, the one-device mesh below)
 GREEDY = ik.SamplingParams(max_new_tokens=10, stop_at_eos=False)
 _rng = np.random.RandomState(7)
 _SHARED = list(_rng.randint(3, 256, 13))  # a shared prefix longer than one checkpoint interval (8)
