@@ -2,8 +2,8 @@
 # The GPU measurements issue 17 still owes, as named parts, so that one device call runs a
 # chosen few of them in order (each under a time limit, each into its own log under OUT):
 #
-#     bash bench/gpu_session.sh OUT check modes decode      # ~7 min each (an estimate: not yet run)
-#     bash bench/gpu_session.sh OUT verify prefill moe      # ~8 min
+#     bash bench/gpu_session.sh OUT check modes decode      # ~7 min (estimates, not yet run;
+#     bash bench/gpu_session.sh OUT verify prefill moe      # ~8 min   one device call per line)
 #     bash bench/gpu_session.sh OUT profile sweep           # ~8 min
 #
 # Parts:
