@@ -66,14 +66,16 @@ def main(argv=None) -> None:
     prompts = [list(rng.randint(3, cfg.unpadded_vocab_size, args.prompt_len)) for _ in range(args.batch)]
     sp = ik.SamplingParams(max_new_tokens=args.new, stop_at_eos=False)
     warm(engine, prompts, sp)
-    plain_ms, _, _ = decode_run(engine, prompts, sp, None)
+    plain_ms, plain_steps, plain_tokens = decode_run(engine, prompts, sp, None)
     engine.evict_all()
     tdir = tempfile.mkdtemp(prefix="engine_trace_")
     traced_ms, step_ms, tokens = decode_run(engine, prompts, sp, tdir)
     wall = traced_ms * tokens / 1e3
     unit = "token step"
     if args.spec_steps:  # per verify step (one per dispatch) from here on
-        plain_ms, traced_ms, tokens = plain_ms * tokens / len(step_ms), wall * 1e3 / len(step_ms), len(step_ms)
+        # each run per its own verify steps: the two runs may accept different numbers of drafts
+        plain_ms = plain_ms * plain_tokens / len(plain_steps)
+        traced_ms, tokens = wall * 1e3 / len(step_ms), len(step_ms)
         unit = "verify step"
     print(f"unprofiled: {plain_ms:.3f} ms per {unit} (the same decode without the profiler, which runs XLA's "
           f"command buffers op by op: see bench/README.md)")

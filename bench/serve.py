@@ -32,7 +32,9 @@ per phase, on a GPU. One run, sections chosen with --sections:
   and one with spec_steps = --spec-steps (both one model step per dispatch, no overlap, prefix
   cache off) on the same prompts; decode-phase ms per dispatch (a decode step, or a verify
   step with its drafting) and per generated token step, and whether the greedy outputs are
-  equal (speculation must not change them).
+  equal (in exact arithmetic speculation changes nothing; in bf16 a verify step computes its
+  positions together and may round a near-tie differently, so a "NO" there is a flag to look
+  into, as bf16 is in gpu_check, not by itself a bug).
 * spec: the shipped trained model (`inkling_jax/models/shakespeare`): mean accept length
   (bonus included) and acceptance per depth for spec_steps 1..3, tokens/s with and without
   speculation at batch 1 and 8, on Shakespeare-like prompts (greedy).
@@ -282,7 +284,9 @@ def section_verify(args, report: Report) -> None:
                "checks spec_steps + 1 tokens per row. Few-token kernel bound: the verify engine's "
                "`layers.FEW_TOKEN_KERNEL_CHOICES_PER_EXPERT` (routed experts of n tokens by the grouped mat-vec "
                f"kernel up to n * k <= bound * E, else dense; {default_bound:g} is the library's, 1/3 the bound "
-               "before it). Random MTP heads: acceptance near zero, so the per-token figures show the cost of "
+               "before it). Greedy outputs equal: the plain and the speculative engines' tokens; in bf16 a "
+               "verify step may round a near-tie differently (a flag to look into, not by itself a bug). "
+               "Random MTP heads: acceptance near zero, so the per-token figures show the cost of "
                "speculation, not its gain (the spec section measures that).", "verify")
 
 
