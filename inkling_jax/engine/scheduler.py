@@ -30,7 +30,7 @@ from ..config import InklingConfig
 from ..steps import RowPlan
 from .admission import Admission
 from .checkpoints import Checkpoint, CheckpointPolicy
-from .config import EngineConfig
+from .config import EngineConfig, is_int
 from .records import Request
 
 DraftSource = Callable[[Request], list[int]]  # the drafts a verify step checks for a request
@@ -87,10 +87,10 @@ class Scheduler:
         for r in running:  # a plan that failed half-way left slots; eager slots the tree took
             self.checkpoints.abandon(r)
             self.checkpoints.refill(r)
-        prefilling = [r for r in running if r.pending > 1]
+        prefilling = [r for r in running if self.needs_extend(r)]
         if spec and prefilling and len(prefilling) < len(running):  # alternate prefill and verify
             mode = "verify" if self.last_mode == "extend" else "extend"
-            running = [r for r in running if (r.pending > 1) == (mode == "extend")]
+            running = [r for r in running if self.needs_extend(r) == (mode == "extend")]
         else:
             mode = "extend" if prefilling else ("verify" if spec else "decode")
         self.last_mode = mode
@@ -114,6 +114,13 @@ class Scheduler:
         plan = StepPlan(mode, list(running), new_tokens, checkpoints)
         plan.rows = [self._row_plan(mode, r, n, cks, drafts_for) for r, n, cks in zip(running, new_tokens, checkpoints)]
         return plan
+
+    def needs_extend(self, r: Request) -> bool:
+        """r's next step is an extend step: it has pending tokens besides its last, or (with
+        speculation) no drafts for its last one. A verify row is its last token and the drafts
+        the step that reached that token proposed; a prompt whose last token is pending alone
+        (chunking left it, or a prefix hit one token short of the prompt) has none yet."""
+        return r.pending > 1 or (self.config.spec_steps > 0 and not r.drafts)
 
     def plan_ahead(self, prev: StepPlan) -> StepPlan | None:
         """The decode dispatch after `prev`, planned before prev's outputs are read (overlap):
@@ -177,7 +184,7 @@ class Scheduler:
             row.tokens, row.num_steps, row.sample_next = [0], n, True
             return row
         if mode == "verify":
-            row.tokens = [r.tokens[held.committed]] + list(drafts_for(r))
+            row.tokens = [r.tokens[held.committed]] + self._checked_drafts(r, drafts_for)
             remaining = r.sampling.max_new_tokens - len(r.out_tokens)
             row.max_accept = max(0, min(spec, remaining - 1))
             row.sample_next = True
@@ -189,6 +196,16 @@ class Scheduler:
             if mode == "decode":  # one pending token; n = the steps it may run
                 row.num_steps, row.sample_next = n, True
         return row
+
+    def _checked_drafts(self, r: Request, drafts_for: DraftSource) -> list[int]:
+        """The drafts a verify row checks for r: exactly spec_steps token ids (ValueError naming
+        the hook otherwise: a short row would shift every later row's packed tokens)."""
+        drafts = list(drafts_for(r))
+        spec, vocab = self.config.spec_steps, self.cfg.unpadded_vocab_size
+        if len(drafts) != spec or not all(is_int(t) and 0 <= t < vocab for t in drafts):
+            raise ValueError(f"drafts_for(request {r.rid}) returned {drafts!r}: a verify step takes exactly "
+                             f"spec_steps={spec} token ids in [0, {vocab})")
+        return [int(t) for t in drafts]
 
     # -------------------------------------------------------------------- commit
 

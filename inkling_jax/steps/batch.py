@@ -153,6 +153,9 @@ def pack_batch(shape: StepShape, rows: Sequence[RowPlan], spec_steps: int = 0,
             raise ValueError(f"row {i} has {n} new tokens; the step takes at most {shape.query} per row")
         if shape.mode == "decode" and n != 1:  # the step reads row i's token at packed index i
             raise ValueError(f"row {i} has {n} new tokens; a decode step takes exactly one per row")
+        if shape.mode == "verify" and n != shape.query:  # row i's tokens sit at packed i * Q
+            raise ValueError(f"row {i} has {n} new tokens; a verify step takes exactly {shape.query} per row "
+                             f"(its last token and spec_steps drafts)")
         if len(r.virtual_pages) > shape.pages:
             raise ValueError(f"row {i} needs {len(r.virtual_pages)} pages; the step holds {shape.pages} per row")
         if len(r.stop_ids) > max_stop_ids:
