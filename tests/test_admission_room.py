@@ -84,7 +84,9 @@ def _two_sessions_on_one_cached_prefix(trunk_params):
 def test_request_that_never_fits_beside_pinned_prefixes_is_refused_at_once(trunk_params):
     """Sessions' locked prefixes count against capacity: a request that cannot fit beside them
     is refused at submit naming what it needs and what can ever be free; the queued session
-    turn, the prefix cache and the pool are untouched and run on; once a session closes, it fits."""
+    turn, the prefix cache and the pool are untouched and run on; once a session closes, it fits.
+    The queued turn counts at its worst case: s1 keeps 2 pages of its own and may grow by 2
+    (to 38 tokens), s2 keeps 2, their shared prefix pins 6: 12 of 40 pages."""
     engine, prefix, s1, s2 = _two_sessions_on_one_cached_prefix(trunk_params)
     engine.generate([prefix + [6]], sp(2), session=s2)
     assert engine.admission.session_holdings(engine.sessions.values()) == (9, 10, 3, 6)
@@ -93,7 +95,7 @@ def test_request_that_never_fits_beside_pinned_prefixes_is_refused_at_once(trunk
     pool_before = [(engine.pool.free_count(k), engine.pool.live_count(k)) for k in ("slot", "page")]
     stats_before = engine.stats()
     with pytest.raises(ValueError, match=r"can never be admitted: it needs 3 slots and 2 pages, but at most 1 slots "
-                                         r"and 30 pages can be free \(open sessions hold 9 slots and 10 pages, 3 "
+                                         r"and 28 pages can be free \(open sessions hold 9 slots and 12 pages, 3 "
                                          r"slots and 6 pages of them in prefix-cache entries their prefixes lock\)"):
         engine.submit([[5, 6, 7]], sp(2))
     assert engine.waiting == [bystander] and not engine.running
@@ -112,17 +114,17 @@ def test_request_that_never_fits_beside_pinned_prefixes_is_refused_at_once(trunk
     engine.check_invariants()
 
 
-def test_request_that_stops_fitting_while_queued_gets_the_reason(trunk_params):
-    """A request that fits at submit but not once a running session turn hands its state
-    back (pinning nothing new, but owning 3 slots) is given up with never_fits' reason, not
-    the last-guard "nothing is running" one; the session turn completes exactly."""
+def test_request_that_would_stop_fitting_while_queued_is_refused_at_submit(trunk_params):
+    """A running session turn counts at what the session will keep when it ends (3 slots of its
+    own): a request that only fits while the turn runs is refused at submit with the reason
+    (it used to be queued, then given up once the turn handed its state back); the turn
+    completes exactly."""
     engine, prefix, s1, s2 = _two_sessions_on_one_cached_prefix(trunk_params)
     turn = engine.submit([prefix + [6]], sp(2), session=s2)[0]
     engine.step()  # the turn runs (its state is not the session's yet)
-    waiter = engine.submit([[5, 6, 7]], sp(2))[0]  # 4 slots can be free at this point
+    with pytest.raises(ValueError, match=r"at most 1 slots .* 3 slots and 6 pages of them in prefix-cache entries"):
+        engine.submit([[5, 6, 7]], sp(2))
     drain(engine)
-    assert waiter.error is not None and "nothing is running" not in waiter.error
-    assert "at most 1 slots" in waiter.error and "3 slots and 6 pages of them in prefix-cache entries" in waiter.error
     assert turn.error is None and turn.out_tokens == clean_tokens(trunk_params, prefix + [6], 2)
     assert not engine.waiting and not engine.running
     engine.close_session(s1)

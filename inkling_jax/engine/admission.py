@@ -207,16 +207,45 @@ class Admission:
 
     # ------------------------------------------------------------- capacity checks
 
-    def session_holdings(self, sessions) -> tuple[int, int, int, int]:
-        """(slots, pages, tree slots, tree pages) sessions keep between turns, not free for
-        other requests until closed: what they own, plus the prefix-cache entries their
-        locked prefixes pin (every checkpoint and page on those paths, each counted once);
-        the first two include the last two."""
-        held = [s.held for s in sessions if s.held is not None]
-        tree_s, tree_p = self.tree.pinned_by([h.prefix_node for h in held if h.prefix_node is not None]) \
-            if self.tree is not None else (0, 0)
-        return (sum(len(h.slots()) for h in held) + tree_s, sum(len(h.owned_pages) for h in held) + tree_p,
-                tree_s, tree_p)
+    def session_holdings(self, sessions, exclude: Session | None = None) -> tuple[int, int, int, int]:
+        """(slots, pages, tree slots, tree pages) open sessions may keep from other requests,
+        the capacity contract's one description of what is pinned: a session between turns
+        keeps what it owns and the prefix-cache entries its locked prefix pins (every
+        checkpoint and page on that path, each counted once); a session with a turn in flight
+        counts what it will keep when the turn ends, at the turn's worst case (its
+        `final_length`: the turn may grow its pages up to there and take back eager checkpoint
+        slots; a first turn may lock a cached path of up to its prompt's checkpoints). The
+        first two include the last two. `exclude`: the session whose turn is being judged
+        (its growth is that request's own need, `needs`).
+
+        Why worst cases: a request that fits beside this count at submit must still fit
+        when its turn comes, whatever the turns ahead of it do meanwhile (admission is
+        first come, first served, so only they can grow a session first)."""
+        slots = pages = 0
+        locked = []
+        for sess in sessions:
+            held, turn = sess.held, sess.turn
+            if sess is exclude:
+                turn = None
+            if turn is not None and turn.held.virtual_slot:  # running: the turn holds the state
+                held = turn.held
+                slots += max(len(held.slots()), self.slots_per_request)
+                pages += len(held.owned_pages) + held.reserved_pages
+            elif turn is not None and held is not None:  # queued behind a kept state
+                slots += len(held.slots()) + len(self._track_slots_needed(held))
+                pages += len(held.owned_pages) + max(self.pages_for(self.final_length(turn))
+                                                     - len(held.virtual_pages), 0)
+            elif turn is not None:  # a queued first turn: it may lock a cached path (pages it
+                # then reads instead of owning, and the checkpoints on it)
+                slots += self.slots_per_request + (len(turn.tokens) - 1) // self.config.track_interval
+                pages += self.pages_for(self.final_length(turn))
+            elif held is not None:
+                slots += len(held.slots())
+                pages += len(held.owned_pages)
+            if held is not None and held.prefix_node is not None:
+                locked.append(held.prefix_node)
+        tree_s, tree_p = self.tree.pinned_by(locked) if self.tree is not None else (0, 0)
+        return slots + tree_s, pages + tree_p, tree_s, tree_p
 
     def needs(self, r: Request) -> tuple[int, int]:
         """(slots, pages) r needs at admission in the worst case (nothing cached)."""
@@ -231,7 +260,7 @@ class Admission:
         down to what open sessions pin (r's own session included), or None when it can: then
         `admit(r, shallower=True)` succeeds with nothing running."""
         slots, pages = self.needs(r)
-        held_s, held_p, tree_s, tree_p = self.session_holdings(self.sessions.values())
+        held_s, held_p, tree_s, tree_p = self.session_holdings(self.sessions.values(), exclude=r.session)
         pinned = f", {tree_s} slots and {tree_p} pages of them in prefix-cache entries their prefixes lock" \
             if tree_s or tree_p else ""
         pool = self.pool

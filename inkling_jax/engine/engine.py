@@ -83,7 +83,12 @@ class Engine:
     free memory. A mesh of one device gives the same outputs as none.
 
     Attributes: `plan` (the ShardPlan, None without a mesh), `params` (as placed), `layout`
-    (the arena layout of one device), `state` (the device serving state)."""
+    (the arena layout of one device), `state` (the device serving state).
+
+    `runner_cls`: the device side (`StepRunner`); a subclass may swap in another with its
+    interface, e.g. `fake_runner.FakeRunner` (numpy, no XLA) to test the host policy."""
+
+    runner_cls = StepRunner
 
     def __init__(self, cfg: InklingConfig, params: Any, config: EngineConfig | None = None,
                  mesh: Mesh | None = None):
@@ -136,7 +141,7 @@ class Engine:
             page_cap = config.num_pages
         self.max_context = min(config.max_context or page_cap * config.page_size, page_cap * config.page_size)
         self.checkpoints = CheckpointPolicy(config, self.tree, self.admission)
-        self.runner = StepRunner(cfg, params, config, lay, self.pool, self.max_context,
+        self.runner = self.runner_cls(cfg, params, config, lay, self.pool, self.max_context,
                                  extend_checkpoints=self.checkpoints.max_per_step, plan=self.plan)
         self.scheduler = Scheduler(cfg, config, self.admission, self.checkpoints, self._stats,
                                    decode_steps=self.runner.decode_steps)

@@ -1,0 +1,333 @@
+"""A fake device runner: the runner's interface over numpy, with a model made of hashes.
+
+The host policy (admission, scheduler, checkpoints, prefix tree, requests, pool compaction)
+does not need XLA to be tested: `FakeRunner` takes the same batches as `StepRunner` and
+keeps a numpy arena with the same unit geometry, translated through the same id tables,
+moved by the same compaction copies. Its "model" is a rolling hash of a sequence's tokens:
+
+    state after tokens t_0..t_{n-1}:  (n, h_n),  h_0 = SEED,  h_{i+1} = mix(h_i, t_i)
+    a slot's first unit row holds (n, h_n); a page's first unit row holds its tokens
+    greedy next token = greedy_token(h_n); a sample = sampled_token(h_n, seed, position)
+
+and every step checks what a real model would silently get wrong: a row's slot state holds
+exactly `seq_start` tokens, and the hash of the tokens its page table reads back equals the
+slot's (so a wrong slot, a stale copy-on-write, a missed compaction move, a page that is not
+the row's or a checkpoint written at the wrong depth raises `FakeStateError` inside the
+step). `fake_generate` is the oracle: what plain decoding of a history gives. Speculative
+rows get drafts from the true continuation, wrong at depths chosen by the hash, so every
+accept length occurs; the acceptance rule is greedy's (a sampled row accepts a draft equal
+to its sample), so outputs equal plain decoding's in every mode.
+
+    class FakeEngine(ik.Engine):
+        runner_cls = FakeRunner
+    engine = FakeEngine(cfg, fake_params(cfg), config)   # shapes only, no XLA compile
+
+Nothing here compiles an XLA program (tests assert it with JAX's compile events).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..cache.pool import UnitPool
+from ..model.params import param_shapes
+from ..steps import StepBatch, StepShape, check_batch
+from .runner import DecodeFeed, StepRunner
+
+MASK = (1 << 61) - 1
+SEED = 0x1234567
+
+
+class FakeStateError(AssertionError):
+    """The fake step found state a real step would have computed garbage from."""
+
+
+def fake_params(cfg, dtype: Any = np.float32) -> dict:
+    """The params tree of cfg as shapes (`jax.ShapeDtypeStruct`): what `Engine` checks and sizes
+    the arena by, without a byte of weights."""
+    import jax
+
+    return jax.tree.map(lambda shape: jax.ShapeDtypeStruct(shape, dtype), param_shapes(cfg),
+                        is_leaf=lambda x: isinstance(x, tuple))
+
+
+def mix(h: int, token: int) -> int:
+    return ((h ^ (token + 0x9E37)) * 0x100000001B3 + 0x2545F491) & MASK
+
+
+def fold(tokens, h: int = SEED) -> int:
+    for t in tokens:
+        h = mix(h, int(t))
+    return h
+
+
+def greedy_token(h: int, vocab: int) -> int:
+    return (h >> 17) % vocab
+
+
+def sampled_token(h: int, seed: int, position: int, vocab: int) -> int:
+    return (mix(mix(h, seed + 7), position) >> 19) % vocab
+
+
+def token_logprob(h: int, token: int) -> float:
+    return -float(mix(h, token) % 997) / 100.0
+
+
+def next_token(h: int, temperature: float, seed: int, position: int, vocab: int) -> int:
+    return greedy_token(h, vocab) if temperature == 0 else sampled_token(h, seed, position, vocab)
+
+
+def draft_is_wrong(h: int, depth: int) -> bool:
+    """Whether the fake MTP chain gets the draft at `depth` wrong (about one in three)."""
+    return mix(h, 1000 + depth) % 3 == 0
+
+
+def fake_generate(history, max_new_tokens: int, *, vocab: int, temperature: float = 0.0, seed: int = 0,
+                  stop_ids=()) -> tuple[list[int], list[float], str]:
+    """Plain decoding of `history` by the fake model: (tokens, logprobs, finish_reason).
+    `seed` is the request's (`Request.seed`); stop_ids include eos when it stops there."""
+    h, pos = fold(history), len(history)
+    tokens, logprobs = [], []
+    while True:
+        t = next_token(h, temperature, seed, pos, vocab)
+        tokens.append(t)
+        logprobs.append(token_logprob(h, t))
+        if t in stop_ids:
+            return tokens, logprobs, "stop"
+        if len(tokens) >= max_new_tokens:
+            return tokens, logprobs, "length"
+        h, pos = mix(h, t), pos + 1
+
+
+@dataclass
+class FakeState:
+    arena: np.ndarray  # [num_units, width] int64
+    slot_v2p: np.ndarray
+    page_v2p: np.ndarray
+
+
+@dataclass
+class FakeOutput:
+    """What a step returns (numpy, the same fields as `steps.StepOutput`)."""
+
+    tokens: np.ndarray
+    logprobs: np.ndarray
+    num_accepted: np.ndarray
+    accepted_logprobs: np.ndarray
+    drafts: np.ndarray
+
+
+class FakeRunner(StepRunner):
+    """`StepRunner`'s interface (buckets and shapes are StepRunner's own) over a numpy arena.
+
+    `steps_run` counts the batches it ran per mode; `lose_state()` makes the next `run` lose
+    the arena as a failed donation would (for the engine's reset path)."""
+
+    def __init__(self, *args: Any, **kw: Any):
+        super().__init__(*args, **kw)
+        self.vocab = self.cfg.unpadded_vocab_size
+        self.steps_run: dict[str, int] = {"extend": 0, "decode": 0, "verify": 0}
+        self._lost = False
+
+    # ------------------------------------------------------------ device state
+
+    def _zero_state(self, pool: UnitPool) -> FakeState:
+        width = max(self.config.page_size, 2)
+        return FakeState(np.zeros((pool.num_units, width), np.int64), np.zeros(len(pool.slots.v2p), np.int32),
+                         np.zeros(len(pool.pages.v2p), np.int32))
+
+    def _device_table(self, table: np.ndarray) -> np.ndarray:
+        return np.array(table, np.int32)
+
+    def apply_pool(self, pool: UnitPool) -> None:
+        src, dst = pool.pending_moves()
+        if not len(src) and not pool.tables_dirty:
+            return
+        if self._lost:
+            raise RuntimeError("fake runner: the arena was lost")
+        slot_table, page_table = pool.tables()
+        arena = self.state.arena
+        if len(src):
+            arena = self.move_units(arena, src, dst)
+        self.state = FakeState(arena, slot_table, page_table)
+        self.tables_on_device = (slot_table, page_table)
+        pool.ack_moves()
+        pool.tables_dirty = False
+
+    def move_units(self, arena: np.ndarray, src: np.ndarray, dst: np.ndarray) -> np.ndarray:
+        out = arena.copy()
+        out[dst] = arena[src]  # one gather, then one scatter
+        return out
+
+    def compiled_step(self, shape: StepShape):
+        self.compiled[shape] = None
+        return None
+
+    def warmup(self, max_move_units: int, overlap: bool = False) -> None:
+        return None
+
+    def state_lost(self) -> bool:
+        return self._lost
+
+    def lose_state(self) -> None:
+        self._lost = True
+
+    def rebuild_state(self, pool: UnitPool) -> None:
+        self._lost = False
+        super().rebuild_state(pool)
+
+    def read_slot(self, physical_slot: int) -> dict[str, np.ndarray]:
+        row = self.arena_slot_row(physical_slot)
+        return {"fake.length": self.state.arena[row, 0:1].copy(), "fake.hash": self.state.arena[row, 1:2].copy()}
+
+    # ------------------------------------------------------------ the step
+
+    def arena_slot_row(self, physical_slot: int) -> int:
+        return physical_slot * self.layout.slot_units
+
+    def arena_page_row(self, physical_page: int) -> int:
+        return self.state.arena.shape[0] - (physical_page + 1) * self.layout.page_units
+
+    def run(self, shape: StepShape, batch: StepBatch, feed: DecodeFeed | None = None) -> FakeOutput:
+        check_batch(batch, shape, self.config.spec_steps, self.config.max_stop_ids)
+        if self._lost:
+            raise RuntimeError("fake runner: the arena was lost")
+        self.steps_run[shape.mode] += 1
+        if feed is not None:
+            batch = self._fed(batch, feed)
+        b, spec = shape.batch, self.config.spec_steps
+        width = shape.steps if shape.mode == "decode" and shape.steps > 1 else None
+        out = FakeOutput(np.zeros((b, width) if width else b, np.int32), np.zeros((b, width) if width else b,
+                         np.float32), np.zeros(b, np.int32), np.zeros((b, spec), np.float32),
+                         np.zeros((b, spec), np.int32))
+        arena = self.state.arena.copy()  # a step is all or nothing, like the donated arena
+        for i in range(b):
+            if batch.num_new[i] > 0:
+                self._row(arena, shape, batch, i, out, width)
+        self.state = FakeState(arena, self.state.slot_v2p, self.state.page_v2p)
+        return out
+
+    def _fed(self, batch: StepBatch, feed: DecodeFeed) -> StepBatch:
+        """`steps/feed.py`'s rule on the host: each fed row's token and activity from the
+        previous dispatch's outputs."""
+        from dataclasses import replace
+
+        tokens, num_new, num_steps = batch.tokens.copy(), batch.num_new.copy(), batch.num_steps.copy()
+        for i, (src, planned) in enumerate(zip(feed.rows, feed.steps)):
+            token = int(feed.prev.tokens[src, max(planned - 1, 0)])
+            stopped = token in [s for s in batch.stop_ids[i] if s >= 0]
+            tokens[i] = token
+            if not (int(feed.prev.num_accepted[src]) == planned and not stopped):
+                num_new[i] = num_steps[i] = 0
+        return replace(batch, tokens=tokens, num_new=num_new, num_steps=num_steps)
+
+    def _translate_slot(self, virtual: int) -> int:
+        return int(self.state.slot_v2p[virtual]) if virtual > 0 else 0
+
+    def _row(self, arena: np.ndarray, shape: StepShape, batch: StepBatch, i: int, out: FakeOutput,
+             width: int | None) -> None:
+        slot = self._translate_slot(int(batch.virtual_slot[i]))
+        if slot == 0:
+            raise FakeStateError(f"row {i}: a live row on the sink slot")
+        pages = [int(self.state.page_v2p[v]) if v > 0 else 0 for v in batch.virtual_pages[i]]
+        cow = self._translate_slot(int(batch.virtual_cow_slot[i]))
+        if cow:
+            rows = slice(self.arena_slot_row(cow), self.arena_slot_row(cow) + self.layout.slot_units)
+            arena[self.arena_slot_row(slot):self.arena_slot_row(slot) + self.layout.slot_units] = arena[rows]
+        start = int(batch.seq_start[i])
+        length, h = (int(arena[self.arena_slot_row(slot), 0]), int(arena[self.arena_slot_row(slot), 1])) \
+            if batch.has_state[i] else (0, SEED)
+        if length != start:
+            raise FakeStateError(f"row {i}: its slot holds {length} tokens, the step starts at {start}")
+        if fold(self._read_pages(arena, pages, 0, start)) != h:
+            raise FakeStateError(f"row {i}: the tokens its pages hold are not its slot's history")
+        tracks = [(int(v), int(n)) for v, n in zip(batch.virtual_track_slot[i], batch.track_len[i]) if n > 0]
+        q0, n = int(batch.query_start[i]), int(batch.num_new[i])
+        new = [int(t) for t in batch.tokens[q0:q0 + n]]
+        temp, seed = float(batch.temperature[i]), int(batch.seed[i])
+        stops = {int(s) for s in batch.stop_ids[i] if s >= 0}
+
+        def advance(h, pos, tokens, tracks_at):
+            for j, t in enumerate(tokens):
+                self._write_page_token(arena, pages, pos + j, t)
+                h = mix(h, t)
+                for v, at in tracks_at:
+                    if at == j + 1:
+                        self._write_slot(arena, self._translate_slot(v), pos + j + 1, h)
+            return h
+
+        if shape.mode == "verify":
+            drafts = new[1:]
+            hh = mix(h, new[0])
+            accepted = 0
+            for d in range(len(drafts)):
+                want = next_token(hh, temp, seed, start + 1 + d, self.vocab)
+                if drafts[d] != want or accepted >= int(batch.max_accept[i]):
+                    break
+                out.accepted_logprobs[i, d] = token_logprob(hh, drafts[d])
+                accepted += 1
+                if drafts[d] in stops:
+                    break
+                hh = mix(hh, drafts[d])
+            stop_hit = accepted and drafts[accepted - 1] in stops
+            commit = accepted + 1 - (1 if stop_hit else 0)
+            h_end = advance(h, start, new[:commit], [(v, at) for v, at in tracks if at <= commit])
+            for j in range(commit, len(new)):  # K/V of rejected drafts: rewritten before any read
+                self._write_page_token(arena, pages, start + j, new[j])
+            self._write_slot(arena, slot, start + commit, h_end)
+            if stop_hit:  # the accepted stop draft is the last token: it becomes the bonus
+                bonus, out.num_accepted[i] = drafts[accepted - 1], accepted - 1
+            else:
+                bonus, out.num_accepted[i] = next_token(h_end, temp, seed, start + commit, self.vocab), accepted
+            out.tokens[i], out.logprobs[i] = bonus, token_logprob(h_end, bonus)
+            out.drafts[i] = self._drafts(mix(h_end, int(out.tokens[i])), temp, seed, start + commit + 1)
+            return
+        if width is None:  # extend, or a one-step decode
+            h_end = advance(h, start, new, tracks)
+            self._write_slot(arena, slot, start + n, h_end)
+            tok = next_token(h_end, temp, seed, start + n, self.vocab)
+            out.tokens[i], out.logprobs[i] = tok, token_logprob(h_end, tok)
+            if self.config.spec_steps:
+                out.drafts[i] = self._drafts(mix(h_end, tok), temp, seed, start + n + 1)
+            return
+        token, pos = new[0], start  # a K-step decode: each step's sample feeds the next
+        for j in range(int(batch.num_steps[i])):
+            h = advance(h, pos, [token], [(v, at - j) for v, at in tracks if at == j + 1])
+            self._write_slot(arena, slot, pos + 1, h)
+            token = next_token(h, temp, seed, pos + 1, self.vocab)
+            out.tokens[i, j], out.logprobs[i, j] = token, token_logprob(h, token)
+            out.num_accepted[i] = j + 1
+            pos += 1
+            if token in stops:
+                break
+
+    def _drafts(self, h: int, temp: float, seed: int, pos: int) -> list[int]:
+        """The fake MTP chain: the true continuation, wrong where `draft_is_wrong` says."""
+        out = []
+        for d in range(self.config.spec_steps):
+            t = next_token(h, temp, seed, pos + d, self.vocab)
+            out.append((t + 1) % self.vocab if draft_is_wrong(h, d) else t)
+            h = mix(h, t)
+        return out
+
+    def _write_slot(self, arena: np.ndarray, slot: int, length: int, h: int) -> None:
+        if slot > 0:  # the sink takes writes and is never read
+            arena[self.arena_slot_row(slot), 0:2] = (length, h)
+
+    def _write_page_token(self, arena: np.ndarray, pages: list[int], pos: int, token: int) -> None:
+        ps = self.config.page_size
+        if pos // ps >= len(pages) or pages[pos // ps] == 0:
+            raise FakeStateError(f"position {pos} has no page in the row's table")
+        arena[self.arena_page_row(pages[pos // ps]), pos % ps] = token
+
+    def _read_pages(self, arena: np.ndarray, pages: list[int], start: int, end: int) -> list[int]:
+        ps = self.config.page_size
+        out = []
+        for pos in range(start, end):
+            if pos // ps >= len(pages) or pages[pos // ps] == 0:
+                raise FakeStateError(f"position {pos} has no page in the row's table")
+            out.append(int(arena[self.arena_page_row(pages[pos // ps]), pos % ps]))
+        return out

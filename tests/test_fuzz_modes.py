@@ -1,0 +1,245 @@
+"""Differential fuzz of every engine mode against the plain engine (issue 37).
+
+Hypothesis draws an engine mode (speculation 0-3 with the MTP chain's drafts or oracle drafts
+corrupted at a random depth, multi-step decode 1-4, overlap, prefix cache off / eager / lazy,
+unified / static pool, max_running, chunk_size, max_step_tokens, page_size, track_interval)
+and a schedule: batches of requests (shared prefixes, prompt lengths, new-token counts, greedy
+or sampled, stop tokens, aborts after a drawn number of steps), some of them session turns,
+with prefix-cache evictions and compactions between batches. Every greedy output must equal
+the plain engine's (spec 0, one decode step, no prefix cache) on the same history, token for
+token, log-probs within `LOGPROB_ATOL`; a sampled output too where the mode draws as the
+plain engine does (no speculation: a request's draws depend on its seed and positions only);
+an aborted output is a prefix of it; a session's history is exactly its prompts and outputs;
+`check_invariants()` holds after every call.
+
+Default run: `DEFAULT_EXAMPLES` modes (derandomized: the same ones on every run), engines
+built per example, compiled programs shared across examples by the process-wide program
+cache. `INKLING_FUZZ_EXAMPLES=200` (and `INKLING_FUZZ_SEED` for other draws) runs longer.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from dataclasses import dataclass
+
+import jax
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import inkling_jax as ik
+
+# two trunk layers (sliding dense, full MoE) and three MTP depths (the middle one banded): the
+# cheapest model with every kind of target and draft state
+CFG = ik.InklingConfig.tiny(num_layers=2, local_layer_ids=(0,), dense_layer_ids=(0,), num_mtp_layers=3,
+                            mtp_local_layer_ids=(1,))
+VOCAB = CFG.unpadded_vocab_size
+LOGPROB_ATOL = 1e-4  # fp32: steps of different shapes sum attention and MoE in other orders (~1e-6 seen)
+DEFAULT_EXAMPLES = 10
+EXAMPLES = int(os.environ.get("INKLING_FUZZ_EXAMPLES", DEFAULT_EXAMPLES))
+SEED = os.environ.get("INKLING_FUZZ_SEED")
+MAX_HISTORY = 60  # tokens a sequence may reach (session histories included): one context bucket of 64
+COVERAGE: Counter = Counter()  # what the run covered (printed by the last test)
+
+
+@pytest.fixture(scope="module")
+def params():
+    return ik.init_params(CFG, jax.random.key(3), std=0.1)
+
+
+@pytest.fixture(scope="module")
+def plain(params):
+    """The oracle: one step per dispatch, no speculation, no prefix cache; each history alone."""
+    engine = ik.Engine(CFG, params, ik.EngineConfig(max_running=1, num_slots=4, num_pages=32, page_size=4,
+                                                    track_interval=8, chunk_size=16, max_step_tokens=16,
+                                                    min_context_bucket=64, prefix_cache=False, decode_steps=1))
+    memo: dict = {}
+
+    def run(history: list[int], sp: ik.SamplingParams) -> ik.Completion:
+        key = (tuple(history), sp)
+        if key not in memo:
+            memo[key] = engine.generate([history], sp)[0]
+        return memo[key]
+
+    return run
+
+
+# ------------------------------------------------------------------ the draws
+
+@st.composite
+def modes(draw) -> dict:
+    spec = draw(st.integers(0, 3))
+    decode_steps = draw(st.integers(1, 4))
+    page_size = draw(st.sampled_from([4, 8]))
+    interval = page_size * draw(st.integers(1, 3))
+    if interval <= spec + 1:
+        interval = page_size * 2
+    max_running = draw(st.integers(1, 3))
+    chunk = draw(st.sampled_from([1, 3, 8, 16]))
+    max_step_tokens = draw(st.sampled_from(sorted({max(chunk, max_running, 8), 16})))
+    cache = draw(st.sampled_from(["off", "eager", "lazy"]))
+    return dict(
+        spec_steps=spec, decode_steps=decode_steps,
+        overlap=draw(st.booleans()) if spec == 0 and decode_steps > 1 else False,
+        prefix_cache=cache != "off", ping_pong="lazy" if cache == "lazy" else "eager",
+        pool=draw(st.sampled_from(["unified", "static"])), max_running=max_running, chunk_size=chunk,
+        max_step_tokens=max_step_tokens, page_size=page_size, track_interval=interval,
+        num_slots=draw(st.sampled_from([12, 20])), num_pages=40, min_context_bucket=64, min_batch_bucket=4,
+        max_step_checkpoints=draw(st.integers(1, 4)))
+
+
+@dataclass
+class RequestDraw:
+    base: int  # which shared base prompt it starts from
+    prefix: int  # tokens of the base it keeps
+    suffix: list[int]  # its own tokens after them
+    max_new_tokens: int
+    sampled: bool
+    stop_at: int | None  # stop at the token the plain run generates at this index
+    abort_after: int | None  # abort after this many of the batch's steps
+
+
+requests = st.builds(RequestDraw, base=st.integers(0, 2), prefix=st.sampled_from([0, 9, 17, 28]) | st.integers(0, 28),
+                     suffix=st.lists(st.integers(3, VOCAB - 1), min_size=1, max_size=9),
+                     max_new_tokens=st.integers(1, 16), sampled=st.booleans(),
+                     stop_at=st.none() | st.integers(0, 6), abort_after=st.none() | st.integers(0, 5))
+
+
+@st.composite
+def schedules(draw) -> list[dict]:
+    batches = []
+    for _ in range(draw(st.integers(2, 4))):
+        turn = draw(st.booleans())  # a session turn: one prompt
+        batches.append(dict(requests=draw(st.lists(requests, min_size=1, max_size=1 if turn else 4)),
+                            session=draw(st.integers(0, 1)) if turn else None,
+                            evict=draw(st.integers(0, 4)) == 0, compact=draw(st.booleans())))
+    return batches
+
+
+class OracleDrafts(ik.Engine):
+    """Verify steps check the plain run's continuation, wrong from a depth drawn per round (every
+    accept length happens), instead of the MTP chain's proposals (`drafts_for`, a documented hook)."""
+
+    def __init__(self, *args, truth, rng, **kw):
+        super().__init__(*args, **kw)
+        self.truth, self.rng = truth, rng
+
+    def drafts_for(self, r):
+        spec = self.config.spec_steps
+        full = self.truth.get(id(r))
+        if full is None:
+            return super().drafts_for(r)
+        nxt = list(full[r.committed + 1:r.committed + 1 + spec])
+        nxt += [3] * (spec - len(nxt))
+        wrong = int(self.rng.randint(spec + 1))
+        if wrong < spec:
+            nxt[wrong] = (nxt[wrong] + 1) % VOCAB
+        return nxt
+
+
+# ------------------------------------------------------------------ the test
+
+def run_schedule(engine: ik.Engine, plain, schedule: list[dict], bases: list[list[int]], oracle: bool) -> None:
+    spec = engine.config.spec_steps
+    exact_sampling = spec == 0
+    sessions: dict[int, tuple[int, list[int]]] = {}  # draw index -> (sid, the history the user saw)
+    for batch in schedule:
+        if batch["evict"]:
+            engine.evict_all()
+            engine.check_invariants()
+        if batch["compact"]:
+            engine.compact()
+            engine.check_invariants()
+        sid = None
+        if batch["session"] is not None:
+            if batch["session"] not in sessions:
+                sessions[batch["session"]] = (engine.open_session(), [])
+            sid, history = sessions[batch["session"]]
+        tracked = []
+        for i, rd in enumerate(batch["requests"]):
+            prompt = bases[rd.base][:rd.prefix] + rd.suffix
+            full = (history if sid is not None else []) + prompt
+            if len(full) + rd.max_new_tokens + spec > MAX_HISTORY:
+                continue
+            sp = ik.SamplingParams(max_new_tokens=rd.max_new_tokens, stop_at_eos=False,
+                                   temperature=0.8 if rd.sampled else 0.0, seed=i)
+            if rd.stop_at is not None:
+                free = plain(full, sp).tokens
+                if rd.stop_at < len(free):
+                    sp = ik.SamplingParams(max_new_tokens=rd.max_new_tokens, stop_at_eos=False,
+                                           temperature=sp.temperature, seed=i, stop_token_ids=(free[rd.stop_at],))
+            r = engine.submit([prompt], sp, session=sid)[0]
+            engine.check_invariants()
+            if oracle:
+                engine.truth[id(r)] = full + plain(full, ik.SamplingParams(max_new_tokens=rd.max_new_tokens + spec,
+                                                                          stop_at_eos=False)).tokens
+            tracked.append((r, full, sp, rd.abort_after))
+            COVERAGE["requests"] += 1
+        steps = 0
+        while engine.running or engine.waiting:
+            for r, _, _, abort_after in tracked:
+                if abort_after == steps and r.finish_reason is None and r.error is None:
+                    engine.abort(r)
+                    engine.check_invariants()
+            engine.step()
+            engine.check_invariants()
+            steps += 1
+        for r, full, sp, _ in tracked:
+            assert r.error is None, r.error
+            COVERAGE[f"finish {r.finish_reason}"] += 1
+            COVERAGE["cached tokens"] += r.cached
+            if sp.temperature > 0 and not exact_sampling:
+                assert r.finish_reason == "abort" or len(r.out_tokens) <= sp.max_new_tokens
+                continue
+            expected = plain(full, sp)
+            n = len(r.out_tokens)
+            if r.finish_reason == "abort":
+                assert r.out_tokens == expected.tokens[:n], (r.rid, r.out_tokens, expected.tokens)
+            else:
+                assert (r.out_tokens, r.finish_reason) == (expected.tokens, expected.finish_reason), \
+                    (r.rid, r.out_tokens, expected.tokens)
+            np.testing.assert_allclose(r.out_logprobs, expected.logprobs[:n], rtol=0, atol=LOGPROB_ATOL)
+            COVERAGE["tokens checked"] += n
+        if sid is not None and tracked:
+            r, full = tracked[0][:2]
+            # the history is the user's: prompts and outputs (a turn aborted before it ran left none)
+            turn_ran = r.held.virtual_slot != 0
+            want = full + r.out_tokens if turn_ran else history
+            assert engine.sessions[sid].tokens == want
+            sessions[batch["session"]] = (sid, list(want))
+    for sid, _ in sessions.values():
+        engine.close_session(sid)
+        engine.check_invariants()
+
+
+@settings(max_examples=EXAMPLES, deadline=None, derandomize=SEED is None, database=None,
+          suppress_health_check=list(HealthCheck), print_blob=True)
+@given(mode=modes(), schedule=schedules(), oracle_drafts=st.booleans(), seed=st.integers(0, 2**16))
+def test_every_mode_matches_the_plain_engine(params, plain, mode, schedule, oracle_drafts, seed):
+    rng = np.random.RandomState(seed)
+    bases = [list(rng.randint(3, VOCAB, 28)) for _ in range(3)]
+    config = ik.EngineConfig(**mode)
+    oracle = bool(mode["spec_steps"]) and oracle_drafts
+    engine = OracleDrafts(CFG, params, config, truth={}, rng=rng) if oracle else ik.Engine(CFG, params, config)
+    run_schedule(engine, plain, schedule, bases, oracle)
+    s = engine.stats()
+    COVERAGE["modes"] += 1
+    COVERAGE["batches"] += len(schedule)
+    COVERAGE["verify steps"] += s["verify_steps"]
+    COVERAGE["accepted drafts"] += s["accepted_draft_tokens"]
+    COVERAGE["overlapped dispatches"] += s["overlapped_dispatches"]
+    COVERAGE["compaction moves"] += s["compaction_moves"]
+    COVERAGE["cache hit tokens"] += s["cache_hit_tokens"]
+    COVERAGE[f"spec {mode['spec_steps']}"] += 1
+    COVERAGE[f"K {mode['decode_steps']}{' overlap' if mode['overlap'] else ''}"] += 1
+    COVERAGE["cache " + ("off" if not mode["prefix_cache"] else mode["ping_pong"]) + " " + mode["pool"]] += 1
+    assert not engine.running and not engine.waiting
+
+
+def test_fuzz_coverage_report():
+    """Prints what the fuzz run covered (`pytest -s`); fails if it covered nothing."""
+    print("fuzz coverage:", dict(sorted(COVERAGE.items())))
+    if COVERAGE:
+        assert COVERAGE["modes"] >= min(EXAMPLES, DEFAULT_EXAMPLES) and COVERAGE["tokens checked"] > 0
