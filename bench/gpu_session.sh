@@ -7,22 +7,23 @@
 #     bash bench/gpu_session.sh OUT profile sweep           # ~8 min
 #
 # Parts:
-#   check    bench/gpu_check.py: Pallas == jnp greedy (small preset, fp32 / bf16) and the
+#   check    bench.check.gpu_check: Pallas == jnp greedy (small preset, fp32 / bf16) and the
 #            speculative engines (trained model, spec_steps 1 and 3) == plain greedy
 #   modes    gpu_check again under XLA_FLAGS=...scheduling_mode=SERIALIZE, its outputs compared
 #            byte for byte with check's (CONCURRENT command buffers must not change a result;
 #            run after check)
-#   decode   serve.py decode at B = 1 and 32, K = 8 (the merged decode levers in the engine loop,
+#   decode   bench.serve.serve decode at B = 1 and 32, K = 8 (the merged decode levers in the engine loop,
 #            CONCURRENT command buffers as the steps compile by default)
-#   verify   serve.py verify at B = 1 and 8, the few-token kernel bound before (1/3) and now (1/2)
-#   prefill  serve.py prefill at 8 x 1k and 1 x 8k: Pallas grouped GEMMs against ragged_dot
-#   moe      moe_micro.py --many: dense, ragged_dot and the grouped-GEMM tilings
-#   profile  profile_engine.py at B = 1 (decode, K = 8) and a B = 1 verify step (spec_steps 3)
-#   sweep    kernels.py at batch 1 with the MoE gate|up tile sweep and the batch-1 projections'
+#   verify   bench.serve.serve verify at B = 1 and 8, the few-token kernel bound before (1/3) and now (1/2)
+#   prefill  bench.serve.serve prefill at 8 x 1k and 1 x 8k: Pallas grouped GEMMs against ragged_dot
+#   moe      bench.kernels.moe_micro --many: dense, ragged_dot and the grouped-GEMM tilings
+#   profile  bench.profile.engine at B = 1 (decode, K = 8) and a B = 1 verify step (spec_steps 3)
+#   sweep    bench.kernels.kernels at batch 1 with the MoE gate|up tile sweep and the batch-1 projections'
 #            tile / split sweep (splits=1: no summing launch after the product)
 # Every part's command is printed before it runs; a part that fails or times out is reported
-# and the next one runs. serve.py's compiles go to the persistent cache $GPU_SESSION_CACHE
+# and the next one runs. bench.serve.serve's compiles go to the persistent cache $GPU_SESSION_CACHE
 # (default /tmp/gpu_session_cache): later parts and calls on a warm machine reuse them.
+# The parts run as modules (`python -m bench.<subject>.<script>`) from the repository root.
 set -uo pipefail
 OUT=${1:?usage: bench/gpu_session.sh OUT PART [PART ...]}
 shift
@@ -43,26 +44,26 @@ run_part() {  # name, seconds, command...
 
 for part in "$@"; do
     case $part in
-        check) run_part check 240 python bench/gpu_check.py --outputs-out "$OUT/check.json" ;;
+        check) run_part check 240 python -m bench.check.gpu_check --outputs-out "$OUT/check.json" ;;
         modes)
             XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_command_buffer_scheduling_mode=SERIALIZE" \
-                run_part modes 240 python bench/gpu_check.py --outputs-out "$OUT/check_serialize.json"
+                run_part modes 240 python -m bench.check.gpu_check --outputs-out "$OUT/check_serialize.json"
             if cmp "$OUT/check.json" "$OUT/check_serialize.json"; then
                 echo "== modes: outputs equal (CONCURRENT vs SERIALIZE)"
             else
                 echo "== modes: OUTPUTS DIFFER (CONCURRENT vs SERIALIZE)"
             fi ;;
-        decode) run_part decode 240 python bench/serve.py --sections decode --decode-batches 1,32 \
+        decode) run_part decode 240 python -m bench.serve.serve --sections decode --decode-batches 1,32 \
             --decode-steps 8 --cache-dir "$CACHE" --out "$OUT/decode.md" ;;
-        verify) run_part verify 300 python bench/serve.py --sections verify --decode-batches 1,8 \
+        verify) run_part verify 300 python -m bench.serve.serve --sections verify --decode-batches 1,8 \
             --few-token-bounds 0.3333,0.5 --cache-dir "$CACHE" --out "$OUT/verify.md" ;;
-        prefill) run_part prefill 300 python bench/serve.py --sections prefill --prefill-kernels pallas,ragged \
+        prefill) run_part prefill 300 python -m bench.serve.serve --sections prefill --prefill-kernels pallas,ragged \
             --cache-dir "$CACHE" --out "$OUT/prefill.md" ;;
-        moe) run_part moe 150 python bench/moe_micro.py --many ;;
+        moe) run_part moe 150 python -m bench.kernels.moe_micro --many ;;
         profile)
-            run_part profile_decode 150 python bench/profile_engine.py --batch 1
-            run_part profile_verify 150 python bench/profile_engine.py --batch 1 --spec-steps 3 ;;
-        sweep) run_part sweep 400 python bench/kernels.py --batches 1 --moe-sweep --proj-sweep --out "$OUT/sweep.md" ;;
+            run_part profile_decode 150 python -m bench.profile.engine --batch 1
+            run_part profile_verify 150 python -m bench.profile.engine --batch 1 --spec-steps 3 ;;
+        sweep) run_part sweep 400 python -m bench.kernels.kernels --batches 1 --moe-sweep --proj-sweep --out "$OUT/sweep.md" ;;
         *) echo "unknown part $part (check modes decode verify prefill moe profile sweep)"; exit 2 ;;
     esac
 done

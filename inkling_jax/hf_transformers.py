@@ -1,6 +1,6 @@
 """Our model as HF transformers objects: its config classes, and an `InklingForCausalLM`
 holding our weights in memory (the oracle of the parity tests, the comparison of
-`bench/decode.py`).
+`bench/decode/decode.py`).
 
 torch and transformers (the `test` extra) are imported when a function is called, so
 importing this module costs nothing. The weight mapping is `weights.checkpoint_tensors` in

@@ -1,13 +1,16 @@
-"""The GPU bench scripts (bench/) import against the library as it is, and their host-side
-parts (sizes, request rows, packed batches, kernel inputs, the roofline's byte count) are
-right for the tiny config. Nothing is compiled here but in bench/serve.py's fresh-process
-sections (`--smoke`, one subprocess); `python bench/<script> --smoke` runs a script end to end
-on a CPU."""
+"""The GPU bench scripts (the bench package) import against the library as it is, and their
+host-side parts (sizes, request rows, packed batches, kernel inputs, the roofline's byte count)
+are right for the tiny config. Nothing is compiled here but in bench.serve.serve's
+fresh-process sections (`--smoke`, one subprocess); `python -m bench.<subject>.<script> --smoke`
+runs a script end to end on a CPU."""
 
 from __future__ import annotations
 
+import importlib
 import os
 import pathlib
+import pkgutil
+import re
 import subprocess
 import sys
 
@@ -15,42 +18,51 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import bench
 from inkling_jax.steps import check_batch, pack_batch
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench"
-SCRIPTS = ("decode", "kernels", "profile_decode", "profile_engine", "gpu_check", "moe_micro", "router_micro", "serve",
-           "ab_decode")
-HELPERS = ("common", "decode_setup", "decode_runs", "kernel_timing", "kernel_cases", "serve_loop", "serve_fresh")
+SUBJECTS = ("common", "kernels", "decode", "serve", "profile", "check")
+# sys.path edited in code: a call on it, an item or slice assigned, `+=` or `=`; or a site dir added
+SYS_PATH_EDIT = re.compile(r"\bsys\.path\s*(\.\s*(insert|append|extend|remove|pop|clear)\s*\(|\[[^\]]*\]\s*=(?!=)|\+=|=(?!=))"
+                           r"|\bsite\.addsitedir\b")
 
 
-@pytest.fixture(scope="module")
-def bench():
-    """The bench helper modules, imported from bench/ (taken off sys.path and sys.modules
-    again afterwards: bench/kernels.py must not shadow the `kernels` package for transformers
-    later in the session, so the scripts themselves are only imported in a subprocess)."""
-    import importlib
-
-    sys.path.insert(0, str(BENCH))
-    before = set(sys.modules)
-    try:
-        yield {name: importlib.import_module(name) for name in HELPERS}
-    finally:
-        sys.path.remove(str(BENCH))
-        for name in set(sys.modules) - before:
-            if name in HELPERS or name == "device_time":
-                del sys.modules[name]
+def bench_modules() -> list[str]:
+    return sorted(m.name for m in pkgutil.walk_packages(bench.__path__, "bench."))
 
 
-def test_scripts_import():
-    code = f"import sys; sys.path[:0] = [{str(BENCH)!r}, {str(ROOT)!r}]; " + "; ".join(f"import {s}" for s in SCRIPTS)
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ, JAX_PLATFORMS="cpu"))
-    assert proc.returncode == 0, proc.stderr[-3000:]
+def test_bench_is_a_package_without_sys_path_edits():
+    """bench/ is a package of one sub-package per subject, every folder with Python in it a
+    package (so every module is found and imports as `bench.<subject>.<module>`), and no file
+    under bench/ edits sys.path (scripts run as `python -m` from the repository root)."""
+    assert pathlib.Path(bench.__file__).resolve().parent == BENCH  # this checkout's bench
+    folders = {p.parent for p in BENCH.rglob("*.py") if "__pycache__" not in p.parts}
+    assert {f for f in folders if not (f / "__init__.py").exists()} == set()
+    assert {f.name for f in folders if f != BENCH} == set(SUBJECTS)
+    files = {str(p.relative_to(BENCH).with_suffix("")).replace(os.sep, ".") for p in BENCH.rglob("*.py")
+             if "__pycache__" not in p.parts}
+    assert {f"bench.{f}".removesuffix(".__init__") for f in files if f != "__init__"} == set(bench_modules())
+    edits = [f"{p.relative_to(ROOT)}:{i}: {line.strip()}" for p in sorted(BENCH.rglob("*"))
+             if p.is_file() and "__pycache__" not in p.parts
+             for i, line in enumerate(p.read_text(errors="replace").splitlines(), 1) if SYS_PATH_EDIT.search(line)]
+    assert edits == []
+    for ok in ("sys.path", "on `sys.path`: a run", "sys.path == x"):
+        assert not SYS_PATH_EDIT.search(ok)
+    for bad in ("sys.path.insert(0, d)", "sys.path[:0] = [d]", "sys.path += [d]", "sys.path = [d]", "site.addsitedir(d)"):
+        assert SYS_PATH_EDIT.search(bad), bad
 
 
-def test_decode_rows_pack_into_each_shape(bench):
-    S = bench["decode_setup"]
+@pytest.mark.parametrize("name", bench_modules())
+def test_bench_module_imports(name):
+    """Every bench module imports on a CPU (the GPU-only scripts too: nothing runs at import)."""
+    importlib.import_module(name)
+
+
+def test_decode_rows_pack_into_each_shape():
+    from bench.decode import setup as S
+
     s = S.make_setup(S.parse_args(["--smoke"]))
     ids, state = S.make_state(s)
     assert state.slot_v2p.shape == (ids.num_slots + 1,) and state.page_v2p.shape == (ids.num_pages + 1,)
@@ -69,12 +81,12 @@ def test_decode_rows_pack_into_each_shape(bench):
         assert pages.max() <= ids.num_pages
 
 
-def test_decode_roofline_bytes(bench):
+def test_decode_roofline_bytes():
     import jax
 
     import inkling_jax as ik
+    from bench.decode import runs as R
 
-    R = bench["decode_runs"]
     cfg = ik.InklingConfig.tiny(num_mtp_layers=0, mtp_local_layer_ids=())
     assert R.expected_experts(cfg, 1) == pytest.approx(cfg.num_experts_per_tok)
     assert R.expected_experts(cfg, 10_000) == pytest.approx(cfg.n_routed_experts)
@@ -84,8 +96,9 @@ def test_decode_roofline_bytes(bench):
     assert two["kv"] == 2 * one["kv"] and two["conv"] == 2 * one["conv"] and two["experts"] > one["experts"]
 
 
-def test_kernel_rows_are_packed_as_the_steps_pack_them(bench):
-    K = bench["kernel_cases"]
+def test_kernel_rows_are_packed_as_the_steps_pack_them():
+    from bench.kernels import cases as K
+
     rng = np.random.RandomState(0)
     for q, mixed in ((1, True), (4, True), (4, False)):
         kr, t = K.make_rows(rng, 6, q, 3, padded=True, track=True, mixed=mixed)
@@ -101,8 +114,9 @@ def test_kernel_rows_are_packed_as_the_steps_pack_them(bench):
         assert (np.asarray(rows.commit_len) <= q).all() and (np.asarray(rows.track_len) <= q).all()
 
 
-def test_serve_decode_steps_option(bench):
-    L = bench["serve_loop"]
+def test_serve_decode_steps_option():
+    from bench.serve import loop as L
+
     assert L.parse_decode_steps("1") == [1]
     for bad in ("0", "1,x", ""):
         with pytest.raises(SystemExit):
@@ -114,8 +128,9 @@ def test_serve_decode_steps_option(bench):
             L.parse_decode_steps("1,4")
 
 
-def test_serve_child_error_line(bench):
-    F = bench["serve_fresh"]
+def test_serve_child_error_line():
+    from bench.serve import fresh as F
+
     glog = "some log\nF1204 05:39:24.552522    4333 parse_flags_from_env.cc:234] Unknown flag in XLA_FLAGS: --x=1\n"
     assert F.error_line(glog, 1) == "Unknown flag in XLA_FLAGS: --x=1"
     trace = "Traceback (most recent call last):\n  File ...\nValueError: a | b\n"
@@ -124,16 +139,16 @@ def test_serve_child_error_line(bench):
 
 
 def test_serve_fresh_process_sections(tmp_path):
-    """bench/serve.py --smoke's startup section (import; init_params, Engine and the first
+    """`python -m bench.serve.serve --smoke`'s startup section (import; init_params, Engine and the first
     generate with an empty, then the filled compile cache, each in a fresh process) and flags
     section (a working and an unknown XLA flag: the failure is a table cell, the run goes on);
     and the verify section's row (a plain and a speculative engine, same greedy outputs)."""
     out = tmp_path / "serve.md"
     env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
-    proc = subprocess.run([sys.executable, str(BENCH / "serve.py"), "--smoke", "--sections", "startup,flags,verify",
+    proc = subprocess.run([sys.executable, "-m", "bench.serve.serve", "--smoke", "--sections", "startup,flags,verify",
                            "--flag-variants", ";--xla_no_such_flag=1", "--decode-batches", "1", "--decode-reps", "1", "--spec-steps", "1",
                            "--out", str(out)],
-                          capture_output=True, text=True, timeout=600, env=dict(env, JAX_PLATFORMS="cpu"))
+                          cwd=ROOT, capture_output=True, text=True, timeout=600, env=dict(env, JAX_PLATFORMS="cpu"))
     assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-3000:]
     text = out.read_text()
     lines = text.splitlines()
@@ -150,21 +165,11 @@ def test_serve_fresh_process_sections(tmp_path):
     assert float(verify[4].split()[0]) > 0 and float(verify[5].split()[0]) > 0 and verify[10].strip() == "yes"
 
 
-def import_ab_decode():
-    """bench/ab_decode.py as a module (bench/ is not a package; the module is not left cached)."""
-    sys.path.insert(0, str(BENCH))
-    try:
-        import ab_decode
-    finally:
-        sys.path.remove(str(BENCH))
-        sys.modules.pop("ab_decode", None)
-    return ab_decode
-
-
 def test_ab_decode_reads_serve_tables():
-    """bench/ab_decode.py reads serve.py's decode table by its headers (a run of this session's
-    format: median with the range of the timed runs, and a cell without a range)."""
-    ab_decode = import_ab_decode()
+    """bench.decode.ab_decode reads serve.py's decode table by its headers (a run of this
+    session's format: median with the range of the timed runs, and a cell without a range)."""
+    from bench.decode import ab_decode
+
     table = """## Decode
 
 | B | K | overlap | prefill tok/s | prefill steps | decode ms/step | decode tok/s | dispatches / token steps |
@@ -189,7 +194,8 @@ def test_ab_decode_reads_serve_tables():
 def test_ab_decode_links_large_identical_files(tmp_path):
     """prepare's share_large_files: a large file identical to the working tree's becomes a relative
     link to it; a different one, a small one and a file the working tree lacks stay copies."""
-    ab_decode = import_ab_decode()
+    from bench.decode import ab_decode
+
     repo, tree = tmp_path / "repo", tmp_path / "repo" / "ab" / "t"
     big = bytes(range(256)) * 8
     for root in (repo, tree):
@@ -204,3 +210,17 @@ def test_ab_decode_links_large_identical_files(tmp_path):
     assert link.is_symlink() and not os.path.isabs(os.readlink(link)) and link.read_bytes() == big
     assert not any(p.is_symlink() for p in [tree / "small.txt", tree / "models" / "other.bin",
                                             tree / "models" / "only_here.bin"])
+
+
+def test_ab_decode_runs_each_tree_as_it_expects(tmp_path):
+    """run's command for a tree: `python -m bench.serve.serve` in a tree with the bench package
+    (this one), `python bench/serve.py` in one from before it (flat bench/, e.g. an old base)."""
+    from bench.decode import ab_decode
+
+    assert ab_decode.serve_command(str(ROOT)) == [sys.executable, "-m", "bench.serve.serve"]
+    old = tmp_path / "old"
+    (old / "bench").mkdir(parents=True)
+    (old / "bench" / "serve.py").write_text("")
+    assert ab_decode.serve_command(str(old)) == [sys.executable, "bench/serve.py"]
+    with pytest.raises(SystemExit, match="neither"):
+        ab_decode.serve_command(str(tmp_path))

@@ -1,6 +1,6 @@
 """The reference forward against HF transformers 5.24 (the independent oracle), through
 both checkpoint namings and both save directions, and the in-memory HF model
-(`hf_transformers.causal_lm`, the oracle of bench/decode.py) against the saved checkpoint.
+(`hf_transformers.causal_lm`, the oracle of bench/decode/decode.py) against the saved checkpoint.
 
 Tolerance: max |logit diff| <= 1e-4 * max |logit| (float32 on CPU; the two implementations
 differ only in summation order, measured diffs are ~1e-7 relative)."""

@@ -141,7 +141,7 @@ def test_fallbacks_and_defaults():
         router.router_epilogue(jnp.zeros((3, 10)), None, None, k=2, route_scale=8.0)  # E unknown
     with pytest.raises(ValueError):
         router.router_epilogue(jnp.zeros((3, 10)), None, None, **kw, block_rows=3, interpret=INTERPRET)
-    # one row per program (bench/router_micro.py on the H200: 16-row tiles were 5-6x slower at 32-256 rows)
+    # one row per program (bench/kernels/router_micro.py on the H200: 16-row tiles were 5-6x slower at 32-256 rows)
     assert {router.default_block_rows(n, w) for n in (1, 4, 4096) for w in (10, 34, 258)} == {1}
     assert [router.default_num_warps(1, w) for w in (34, 258, 1000, 3000)] == [1, 1, 2, 4]
 

@@ -27,7 +27,7 @@ PAGE_SIZE, SLOTS, PAGES = 4, 8, 32
 
 def arena_copies(hlo: str, num_units: int) -> list[str]:
     """HLO `copy` instructions whose result has the arena's leading dimension (as
-    bench/profile_decode.py counts them)."""
+    bench/profile/decode.py counts them)."""
     return [line.strip()[:200] for line in hlo.split("\n")
             if re.search(r"= [a-z0-9]+\[%d[,\]]" % num_units, line) and re.search(r"\bcopy\(", line)]
 

@@ -467,7 +467,7 @@ def moe_experts_ragged(x: Float[Array, "n h"], idx: Array, weight: Array, w13: A
     run in another order: equal to dense within fp32 rounding, bf16 within an ulp of act / y.
 
     A candidate for `many_token_experts` against the Pallas sorted-block GEMMs
-    (`bench/moe_micro.py --many` times both on the GPU)."""
+    (`python -m bench.kernels.moe_micro --many` times both on the GPU)."""
     n, k = idx.shape
     e = w13.shape[0]
     expert = jnp.clip(idx.reshape(n * k), 0, e - 1).astype(jnp.int32)
@@ -494,14 +494,14 @@ MOE_IMPLS = {"dense": lambda *a: moe_experts_dense(*a), "gather": lambda *a: moe
 # to n * k <= this * E choices, where dense reads all E once: on the H200 (bench model) the
 # kernel moved its choices' bytes at 38 % (n = 1) and 52 % (n = 2) of copy bandwidth, rising
 # with the rows (BENCHMARKS.md, kernel table); dense's GEMMs read all E at most at copy
-# bandwidth: about E / 2 choices is where the two take the same time (an estimate: bench/
-# serve.py --sections verify --few-token-bounds measures it). This takes a batch-1 verify step
+# bandwidth: about E / 2 choices is where the two take the same time (an estimate: `python -m
+# bench.serve.serve --sections verify --few-token-bounds` measures it). This takes a batch-1 verify step
 # (4 tokens, top-4 of 32) and decode up to batch 4 off dense (all 32 experts per MoE layer).
 FEW_TOKEN_KERNEL_CHOICES_PER_EXPERT = 0.5
 
-# many_token_experts from n * k >= this * E choices: on the H200 (bench model, bench/moe_micro.py
-# --many) the grouped GEMMs ran 0.6x dense at 128 tokens (16 choices per expert), 1.1x at 512
-# (64), 2.4x at 2048, 5.8x at 32768
+# many_token_experts from n * k >= this * E choices: on the H200 (bench model, `python -m
+# bench.kernels.moe_micro --many`) the grouped GEMMs ran 0.6x dense at 128 tokens (16 choices
+# per expert), 1.1x at 512 (64), 2.4x at 2048, 5.8x at 32768
 GROUPED_MIN_CHOICES_PER_EXPERT = 64
 
 

@@ -91,7 +91,7 @@ from jaxtyping import Array, Bool, Float, Int
 from .._common import INT32_MAX, pallas_call, with_ref_vjp
 from . import ref
 
-# H200, bench prefill shapes (bench/attention_micro.py): 128 x 128 tiles with 8 warps ran
+# H200, bench prefill shapes (bench/kernels/attention_micro.py): 128 x 128 tiles with 8 warps ran
 # 1.18-1.35x the 64 x 64 / 4-warp tiles on full and sliding layers at 8 x 1024 and 1 x 8192
 BQ = 128  # queries per program
 BK = 128  # keys per block of the loop

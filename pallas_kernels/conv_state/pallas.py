@@ -150,7 +150,7 @@ def conv_plan(arena_shape: tuple[int, ...], window_shape: tuple[int, ...], chann
     """The kernel's addressing for this stream, or None when the config needs the reference.
 
     `block` (channels per program, a power of two dividing the width) and `num_warps`
-    override the defaults below (bench/kernels.py --sweep tries them)."""
+    override the defaults below (`python -m bench.kernels.kernels --sweep` tries them)."""
     if len(arena_shape) != 2 or len(window_shape) != 2:
         return None
     num_units, e = arena_shape

@@ -42,7 +42,7 @@ finite), over k + S columns accumulated in column order. The three outputs are w
 [block_rows, next_pow2(k)] and [block_rows, next_pow2(S)] tiles with masked stores.
 
 Defaults. One row per program with one warp (num_warps 2 from P = 1024, 4 from P = 2048), a
-grid of n programs. Measured on the H200 (`bench/router_micro.py`, bench shapes E + S = 34,
+grid of n programs. Measured on the H200 (`bench/kernels/router_micro.py`, bench shapes E + S = 34,
 k = 4, device time per call): 1.8 / 2.0 / 4.7 us at n = 32 / 256 / 4096, where the earlier
 default of 16-row tiles with 2 warps took 10.3 / 10.3 / 11.0 us (a [16, 64] tile's row
 reductions and per-row [16, 1] vectors cost far more than spreading the rows over programs)

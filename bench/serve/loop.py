@@ -1,8 +1,6 @@
-"""bench/serve.py's engine-loop helpers: running `Engine` requests with their timeline, the
-prefill / decode split of a run, the bench engine configurations, and the decode-steps (K)
+"""The engine-loop helpers of bench.serve.serve: running `Engine` requests with their timeline,
+the prefill / decode split of a run, the bench engine configurations, and the decode-steps (K)
 setting, which only engines with `EngineConfig.decode_steps` accept.
-
-The caller (serve.py) puts the repository root on `sys.path` before importing this module.
 """
 
 from __future__ import annotations

@@ -2,10 +2,10 @@
 wall time of `Engine.step()` calls, and the idle gaps between dispatches (host work the
 device waits for), from a jax profiler trace.
 
-    python bench/profile_engine.py [--batch 1] [--decode-steps 8] [--new 64] [--smoke]
-    python bench/profile_engine.py --spec-steps 3 [--batch 1]     verify steps instead
+    python -m bench.profile.engine [--batch 1] [--decode-steps 8] [--new 64] [--smoke]
+    python -m bench.profile.engine --spec-steps 3 [--batch 1]     verify steps instead
 
-Bench model, bf16, 1000-token prompts, the engine config of bench/serve.py's decode section
+Bench model, bf16, 1000-token prompts, the engine config of bench.serve.serve's decode section
 (with --spec-steps S: the bench model with its MTP depths, speculative decoding with S drafts,
 one verify step per dispatch, and the figures per verify step rather than per token step).
 
@@ -24,22 +24,19 @@ import argparse
 import collections
 import contextlib
 import dataclasses
-import os
 import statistics
-import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from common import device_params  # noqa: E402
-from device_time import device_events, event_part, hlo_op_parts  # noqa: E402
-from serve_loop import bench_config, warm  # noqa: E402
+import inkling_jax as ik
 
-import inkling_jax as ik  # noqa: E402
+from bench.common.device_time import device_events, event_part, hlo_op_parts
+from bench.common.helpers import device_params
+from bench.serve.loop import bench_config, warm
 
 
 def main(argv=None) -> None:

@@ -1,4 +1,4 @@
-"""Timing one arena op for bench/kernels.py: `reps` calls unrolled in one jit, an L2 flush
+"""Timing one arena op for bench.kernels.kernels: `reps` calls unrolled in one jit, an L2 flush
 kernel between calls on the GPU, the op's device time from a profiler trace (the flush
 kernels left out); wall time / reps on a CPU (smoke)."""
 
@@ -10,9 +10,10 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
-from device_time import traced_device_events
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
+
+from bench.common.device_time import traced_device_events
 
 FLUSH_COLS = 2048  # uint32 per flush program (8 KB)
 FLUSH_BYTES = 256 << 20  # > 5x the H200's L2

@@ -1,8 +1,9 @@
 """Helpers shared by the bench scripts: progress lines, markdown reports and tables, the
 device copy bandwidth, random params drawn on the device.
 
-A script puts the repository root on `sys.path` before importing this module or the library,
-so that it measures this checkout's code (`sys.path.insert(0, <repo root>)`).
+The scripts run as modules from the repository root (`python -m bench.<subject>.<script>`), so
+this checkout's `inkling_jax` and `pallas_kernels` come first on `sys.path`: a run measures
+this checkout's code.
 """
 
 from __future__ import annotations
@@ -15,9 +16,10 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
-from device_time import traced_device_events
 
 from inkling_jax.model.params import is_shape, leaf_dtype, param_shapes
+
+from bench.common.device_time import traced_device_events
 
 _T0 = time.perf_counter()
 

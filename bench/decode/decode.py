@@ -1,18 +1,19 @@
 """Decode and prefill throughput of the compiled serving steps on the bench model, against the
 HBM roofline, the jnp path and HF transformers' Inkling, in one run.
 
-    python bench/decode.py [--out FILE]   # GPU: InklingConfig.bench() trunk in bf16 (~5 min on an H200)
-    python bench/decode.py --smoke        # tiny config, fp32, on CPU (jnp steps, HF on CPU; ~1 min)
+    python -m bench.decode.decode [--out FILE]  # GPU: InklingConfig.bench() trunk in bf16 (~5 min on an H200)
+    python -m bench.decode.decode --smoke       # tiny config, fp32, on CPU (jnp steps, HF on CPU; ~1 min)
 
 Sections (each printed, and written to --out, as soon as it is done; progress lines carry
-timestamps; one function each below, over decode_setup.py (sizes, state, shapes, compiles),
-decode_runs.py (step runs, roofline, comparisons) and decode_hf.py (section 6)):
+timestamps; one function each below, over bench.decode.setup (sizes, state, shapes,
+compiles), bench.decode.runs (step runs, roofline, comparisons) and bench.decode.hf (section
+6)):
 
 1. Setup: random weights (leaves of 1M+ elements drawn on the device with jax.random:
    `init_params` samples every number with numpy on the host, ~1 min for the bench model's
    2.64 B parameters even on a fast host), the device copy bandwidth (a jitted copy of a 2 GB
-   array, read + write counted, as bench/kernels.py), one serving state (unit arena) sized for
-   the largest batch and context, random contents, identity id tables (virtual == physical).
+   array, read + write counted, as bench.kernels.kernels), one serving state (unit arena) sized
+   for the largest batch and context, random contents, identity id tables (virtual == physical).
 2. Compiles: every step shape the run uses, lowered one by one on the main thread, each
    compiled in a thread pool as soon as it is lowered (XLA compiles release the GIL): lower
    and compile seconds per shape, the wall time of all, and XLA's temp-buffer size and
@@ -62,20 +63,19 @@ import time
 import traceback
 from dataclasses import dataclass, field
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from common import Report, copy_bandwidth, device_params, log, table  # noqa: E402
-from decode_hf import hf_section  # noqa: E402
-from decode_runs import (agreement, decode_bytes, expected_experts, greedy_decode, prefill, state_diff,  # noqa: E402
-                         time_decode)
-from decode_setup import (RowIds, Setup, apply_jax_options, compile_all, compiled_step, decode_shape,  # noqa: E402
-                          extend_batch_shape, extend_long_shape, label, make_setup, make_state, parse_args)
+from inkling_jax.cache.state import ServingState
+from inkling_jax.steps import StepShape
 
-from inkling_jax.cache.state import ServingState  # noqa: E402
-from inkling_jax.steps import StepShape  # noqa: E402
+from bench.common.helpers import Report, copy_bandwidth, device_params, log, table
+from bench.decode.hf import hf_section
+from bench.decode.runs import (agreement, decode_bytes, expected_experts, greedy_decode, prefill, state_diff,
+                               time_decode)
+from bench.decode.setup import (RowIds, Setup, apply_jax_options, compile_all, compiled_step, decode_shape,
+                                extend_batch_shape, extend_long_shape, label, make_setup, make_state, parse_args)
 
 
 @dataclass
@@ -119,7 +119,7 @@ def section_setup(run: Run) -> None:
         f"{lay.describe()}; {run.ids.num_slots} slots, {run.ids.num_pages} pages")
     dev = jax.devices()[0]
     run.report.add(
-        f"## Decode benchmark (`bench/decode.py{' --smoke' if s.smoke else ''}`)\n\n"
+        f"## Decode benchmark (`python -m bench.decode.decode{' --smoke' if s.smoke else ''}`)\n\n"
         f"- Device: {dev.device_kind} ({jax.default_backend()}), jax {jax.__version__}.\n"
         f"- Model: `InklingConfig.{'tiny' if s.smoke else 'bench'}()` trunk (no MTP), {cfg.num_layers} layers "
         f"({len(cfg.full_layer_ids)} full, {len(cfg.local_layer_ids)} sliding, window {cfg.sliding_window}), "

@@ -1,5 +1,5 @@
-"""bench/serve.py's `prefill` section (issue 17: prefill >= 40 % of bf16 peak FLOP/s at 8 x 1k
-and at 1 x 8k, in the engine loop on one H200), and the model FLOPs it is measured against.
+"""The `prefill` section of bench.serve.serve (issue 17: prefill >= 40 % of bf16 peak FLOP/s at
+8 x 1k and at 1 x 8k, in the engine loop on one H200), and the model FLOPs it is measured against.
 
 Each case `N x L` (--prefill-cases) runs on its own engine, configured so the whole case is one
 extend step if the config allows it: chunk_size = L (a row's query width; larger would only pad
@@ -24,8 +24,6 @@ adds (padding, masked keys, experts not chosen):
 Norms, short convolutions, softmax, SwiGLU and the embedding gather are not counted (element-
 wise or gathers). `check_prefill_flops` recounts it from `param_shapes(cfg)` and a loop over
 positions, so a wrong formula fails loudly (run in the section, smoke included).
-
-The caller (serve.py) puts the repository root and bench/ on `sys.path` first.
 """
 
 from __future__ import annotations
@@ -36,14 +34,15 @@ import math
 import statistics
 
 import numpy as np
-from common import Report, log, table
-from serve_loop import run, warm
 
 import inkling_jax as ik
 import pallas_kernels as pk
 from inkling_jax.engine import runner as runner_mod
 from inkling_jax.model import layers
 from inkling_jax.model.params import param_shapes
+
+from bench.common.helpers import Report, log, table
+from bench.serve.loop import run, warm
 
 TARGET = 0.40  # issue 17: fraction of bf16 peak
 
@@ -226,6 +225,6 @@ def section_prefill(args, cfg, params, report: Report) -> None:
                         "tok/s", "model MFLOP/token", "TFLOP/s", "% of peak", "target", "met", "compiles"], rows)
                + "\n\nModel FLOPs: useful trunk forward work per prompt token (2 x active matmul params with "
                "top-k routed experts only, the relative-bias product, causal attention averaged over the prompt, "
-               "sliding layers within their window; the lm_head once per prompt), bench/serve_prefill.py. One "
+               "sliding layers within their window; the lm_head once per prompt), bench/serve/prefill.py. One "
                "engine per case: chunk size L, context bucket L, all N rows in one step where the token budget "
                "allows; warmed up on a same-shape case first.", "prefill")

@@ -1,5 +1,5 @@
-"""bench/kernels.py's cases: sizes, random arenas and packed rows, and one function per kernel
-that checks the Pallas kernel against its jnp reference and times both.
+"""The cases of bench.kernels.kernels: sizes, random arenas and packed rows, and one function
+per kernel that checks the Pallas kernel against its jnp reference and times both.
 
 Kernels take arena rows: a request row's conv field starts at `layout.slot_row(physical_slot,
 field)`, its slot at `layout.slot_row(physical_slot)` (`inkling_jax.cache.layout`).
@@ -15,7 +15,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pallas_kernels as pk
-from kernel_timing import Timer, Timing
 from pallas_kernels.conv_state import pallas as conv_pallas
 from pallas_kernels.conv_state import ref as conv_ref
 from pallas_kernels.conv_state.ref import PackedRows
@@ -24,6 +23,8 @@ from pallas_kernels.slot_ops.ref import unit_rows
 from inkling_jax.cache.layout import ArenaLayout, Field
 from inkling_jax.config import InklingConfig
 from inkling_jax.model import layers as L
+
+from bench.kernels.timing import Timer, Timing
 
 VERIFY_Q = 3  # tokens per row in the conv_write (speculative verify) case
 EXTEND_L = 64  # new tokens per row in the extend case

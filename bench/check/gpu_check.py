@@ -3,28 +3,25 @@ use_pallas=False (same weights, same prompts), for the small preset in float32 a
 and for speculative engines (the shipped trained model, float32, spec_steps 1 and 3) against
 plain greedy.
 
-    python bench/gpu_check.py [--outputs-out F.json]
+    python -m bench.check.gpu_check [--outputs-out F.json]
 
 `--outputs-out`: every engine's tokens and log-probs as JSON, to compare two processes bit for
 bit (e.g. XLA flag variants that must not change a result: command-buffer scheduling modes,
-`XLA_FLAGS=--xla_gpu_command_buffer_scheduling_mode=SERIALIZE python bench/gpu_check.py ...`).
+`XLA_FLAGS=--xla_gpu_command_buffer_scheduling_mode=SERIALIZE python -m bench.check.gpu_check ...`).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-
-import inkling_jax as ik  # noqa: E402
+import inkling_jax as ik
 
 
 def main(argv=None) -> int:

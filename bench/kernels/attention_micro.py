@@ -3,24 +3,21 @@ prefill shapes (bf16, H200): rows of fresh prompts, full layers (16 q heads over
 every earlier token) and sliding layers (4 kv heads, window 512, an empty 512-key ring in
 front of the new tokens, as the engine passes them).
 
-    python bench/attention_micro.py [--cases 8x1024,1x8192]
+    python -m bench.kernels.attention_micro [--cases 8x1024,1x8192]
 
 Useful TFLOP/s count the allowed (causal / windowed) score and value products only."""
 
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from common import median_seconds  # noqa: E402
+from pallas_kernels.attention import pallas as attn
 
-from pallas_kernels.attention import pallas as attn  # noqa: E402
+from bench.common.helpers import median_seconds
 
 TILINGS = ((64, 64, 4, 2), (128, 64, 8, 2), (128, 64, 4, 2), (64, 128, 4, 2), (128, 128, 8, 2), (64, 64, 4, 3),
            (128, 64, 8, 3))  # bq, bk, num_warps, num_stages

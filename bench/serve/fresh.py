@@ -1,11 +1,9 @@
-"""bench/serve.py's sections that measure in fresh processes (nothing compiled, cached or
-allocated before them): `startup` (params, engine and first generate, with an empty and
+"""The sections of bench.serve.serve that measure in fresh processes (nothing compiled, cached
+or allocated before them): `startup` (params, engine and first generate, with an empty and
 then a filled persistent compilation cache) and `flags` (the decode section again under
-each XLA_FLAGS variant). Each child is `python bench/serve.py` itself in a helper mode
-(`--startup-child DIR`, or `--sections decode --child-out FILE`), with the results as JSON
-in a file.
-
-The caller (serve.py) puts the repository root and bench/ on `sys.path` first.
+each XLA_FLAGS variant). Each child is `python -m bench.serve.serve` itself, run in the
+repository root, in a helper mode (`--startup-child DIR`, or `--sections decode --child-out
+FILE`), with the results as JSON in a file.
 """
 
 from __future__ import annotations
@@ -22,12 +20,14 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from common import Report, log, table
-from serve_loop import bench_config
 
 import inkling_jax as ik
 
-SERVE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "serve.py")
+from bench import REPO
+from bench.common.helpers import Report, log, table
+from bench.serve.loop import bench_config
+
+SERVE = [sys.executable, "-m", "bench.serve.serve"]  # a child, run in REPO
 STARTUP_NEW = 16  # tokens the first generate makes
 INIT_TARGET_S, START_TARGET_S = 10.0, 20.0
 # the command-buffer (CUDA graph) variant: every command type, graphs of any size
@@ -71,7 +71,7 @@ def run_child(cmd: list[str], env: dict, out_path: str, timeout: float) -> tuple
     """(the child's JSON results or None, why it failed, its wall seconds)."""
     t0 = time.perf_counter()
     try:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+        proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return None, f"timed out after {timeout:.0f} s", time.perf_counter() - t0
     wall = time.perf_counter() - t0
@@ -132,7 +132,7 @@ def import_seconds(args) -> float | None:
     """`import inkling_jax` in a fresh interpreter (jax's import included)."""
     code = "import time; t = time.perf_counter(); import inkling_jax; print(time.perf_counter() - t)"
     proc = subprocess.run([sys.executable, "-c", code], env=child_env(args), capture_output=True, text=True,
-                          cwd=os.path.dirname(os.path.dirname(SERVE)), timeout=600)
+                          cwd=REPO, timeout=600)
     return float(proc.stdout.split()[-1]) if proc.returncode == 0 and proc.stdout.split() else None
 
 
@@ -154,7 +154,7 @@ def section_startup(args, report: Report) -> None:
         for run_name, cache, extra in runs:
             out = os.path.join(outdir, f"{run_name}.json")
             entries = cache_entries(cache)
-            cmd = [sys.executable, SERVE, "--startup-child", cache, "--child-out", out] + size_args(args) + extra
+            cmd = SERVE + ["--startup-child", cache, "--child-out", out] + size_args(args) + extra
             res, why, wall = run_child(cmd, child_env(args), out, timeout=1800)
             what = f"import -> init_params -> Engine -> first generate, {run_name} compile cache ({entries} entries)"
             if res is None:
@@ -197,8 +197,9 @@ def section_flags(args, report: Report) -> None:
     with tempfile.TemporaryDirectory(prefix="inkling-flags-") as outdir:
         for i, flags in enumerate(flag_variants(args)):
             out = os.path.join(outdir, f"{i}.json")
-            cmd = [sys.executable, SERVE, "--sections", "decode", "--decode-batches", batches, "--decode-steps",
-                   args.decode_steps, "--cache-dir", args.cache_dir, "--child-out", out] + size_args(args)
+            cache = os.path.abspath(args.cache_dir) if args.cache_dir else ""  # the child runs in REPO
+            cmd = SERVE + ["--sections", "decode", "--decode-batches", batches, "--decode-steps", args.decode_steps,
+                           "--cache-dir", cache, "--child-out", out] + size_args(args)
             res, why, wall = run_child(cmd, child_env(args, flags), out, timeout=3600)
             log(f"flags {flags or '(none)'!r}: {res['decode'] if res else why} ({wall:.0f} s)")
             results.append((flags, res["decode"] if res else None, why))

@@ -1,8 +1,8 @@
 """Pallas conv-state / slot / MoE kernels against their jnp (XLA) references, on the GPU.
 
-    python bench/kernels.py [--out kernels.md]   # InklingConfig.bench() streams, K=4, bf16 arena, batch 1/32/256
-    python bench/kernels.py --sweep [grid|default] [--compare-module M] [--moe-sweep] [--proj-sweep]
-    python bench/kernels.py --smoke    # tiny sizes, interpret mode: runs anywhere (CPU) in about a minute
+    python -m bench.kernels.kernels [--out kernels.md]  # InklingConfig.bench() streams, K=4, bf16 arena, batch 1/32/256
+    python -m bench.kernels.kernels --sweep [grid|default] [--compare-module M] [--moe-sweep] [--proj-sweep]
+    python -m bench.kernels.kernels --smoke    # tiny sizes, interpret mode: runs anywhere (CPU) in about a minute
 
 For every (kernel, stream, batch) it first checks the kernel against the reference on random
 batches (random slot permutations, padded rows, rows without state, commit_len 0, checkpoints)
@@ -17,8 +17,9 @@ kernel of that size can reach). With --smoke (CPU, no trace) times are wall time
 
 --sweep grid times the conv_update kernel over channel blocks and warps on the cases that
 matter (--sweep default: the default plan only), and on the extend cases over tokens per
-program (tile 1-8); --compare-module M also times M.conv_update
-(e.g. an earlier pallas_kernels/conv_state/pallas.py copied beside it). --moe-sweep times the MoE
+program (tile 1-8); --compare-module M also times M.conv_update (M a module name importable
+from the repository root, e.g. pallas_kernels._prev_conv_state for an earlier
+pallas_kernels/conv_state/pallas.py copied into pallas_kernels/). --moe-sweep times the MoE
 grouped mat-vec kernel's tiles; --proj-sweep the batch-1 attention projections' mat-vec tiles
 and split counts against XLA's padded GEMM.
 
@@ -26,31 +27,29 @@ check: `exact` = arena (outside the sink) and y bit for bit; `y~ e` = arena exac
 e (max |diff| / max |y|; the reference's fp32 accumulation order on GPU is XLA's choice);
 `FAIL ...` otherwise.
 
-Modules: kernel_cases.py (sizes, inputs, one case per kernel), kernel_timing.py (the rep loop,
-L2 flushes, device time), kernel_sweeps.py (--sweep, --moe-sweep); this file runs them and
-prints the tables.
+Modules: bench.kernels.cases (sizes, inputs, one case per kernel), bench.kernels.timing (the
+rep loop, L2 flushes, device time), bench.kernels.sweeps (--sweep, --moe-sweep); this module
+runs them and prints the tables.
 """
 
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 import traceback
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pallas_kernels as pk
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import pallas_kernels as pk  # noqa: E402
-from common import copy_bandwidth  # noqa: E402
-from kernel_cases import (EXTEND_L, Row, Setup, conv_update_case, conv_write_case, make_setup, moe_case,  # noqa: E402
-                          slot_cases)
-from kernel_sweeps import moe_sweep, projection_sweep, sweep  # noqa: E402
-from kernel_timing import FLUSH_BYTES  # noqa: E402
+from bench.common.helpers import copy_bandwidth
+from bench.kernels.cases import (EXTEND_L, Row, Setup, conv_update_case, conv_write_case, make_setup, moe_case,
+                                 slot_cases)
+from bench.kernels.sweeps import moe_sweep, projection_sweep, sweep
+from bench.kernels.timing import FLUSH_BYTES
 
 
 def parse_args(argv=None):

@@ -1,5 +1,5 @@
-"""bench/decode.py's setup: command line, sizes, the serving state, the request rows' ids,
-the step shapes and their compiles. Nothing here runs a step."""
+"""The setup of bench.decode.decode: command line, sizes, the serving state, the request rows'
+ids, the step shapes and their compiles. Nothing here runs a step."""
 
 from __future__ import annotations
 
@@ -13,12 +13,13 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 import numpy as np
-from common import log
 
 import inkling_jax as ik
 from inkling_jax.cache.layout import ArenaLayout
 from inkling_jax.cache.state import ServingState
 from inkling_jax.steps import RowPlan, StepBatch, StepShape, compile_lowered, compile_step
+
+from bench.common.helpers import log
 
 
 def parse_args(argv=None, description: str = ""):

@@ -7,15 +7,16 @@ alternated for several rounds (BENCHMARKS.md's side-by-side tables were made thi
     # here (git): each base revision as a plain tree under ab/ (keep ab/ git-ignored); files
     # over 1 MiB identical to the working tree's (the shipped model) become links to it, so
     # about six trees fit in a device call's 64 MiB carry
-    python bench/ab_decode.py prepare base=db548be
-    # on the GPU (carry ab/): every tree's bench/serve.py decode section, alternated
-    python bench/ab_decode.py run base=ab/base new=. --rounds 2 --batches 1,32 --out ab.md
+    python -m bench.decode.ab_decode prepare base=db548be
+    # on the GPU (carry ab/): every tree's serve script's decode section, alternated
+    python -m bench.decode.ab_decode run base=ab/base new=. --rounds 2 --batches 1,32 --out ab.md
 
-`run` calls `python bench/serve.py --sections decode --decode-batches B --decode-steps K
---decode-reps R --cache-dir "" --out F` inside each tree (the tree's own serve.py, model and
-kernels; a fresh process per run) and writes one table: decode ms per token step per tree,
-batch and round (the median of the run's R timed repeats, with their range), and each tree's
-ratio to the first tree in the same round. The per-run logs go to a temporary directory whose
+`run` calls `python -m bench.serve.serve --sections decode --decode-batches B --decode-steps K
+--decode-reps R --cache-dir "" --out F` in the root of each tree (`python bench/serve.py` in a
+tree from before the bench package; the tree's own serve.py, model and kernels; a fresh
+process per run) and writes one table: decode ms per token step per tree, batch and round (the
+median of the run's R timed repeats, with their range), and each tree's ratio to the first
+tree in the same round. The per-run logs go to a temporary directory whose
 path the table names; a run that fails shows its last error line in the table. With
 `--cache-dir DIR` each tree compiles into its own persistent cache DIR/NAME, so only the first
 round pays the compiles.
@@ -32,7 +33,8 @@ import subprocess
 import sys
 import tempfile
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from bench import REPO
+
 DECODE_MS = re.compile(r"^([\d.]+)(?: \(([\d.]+)-([\d.]+)\))?$")
 
 
@@ -118,12 +120,22 @@ def prepare(args) -> None:
                                             if shared else ""))
 
 
+def serve_command(path: str) -> list[str]:
+    """How the tree at `path` runs its serve script, from its root: `python -m bench.serve.serve`
+    (the bench package), or `python bench/serve.py` in a tree from before it (flat bench/)."""
+    if os.path.isfile(os.path.join(path, "bench", "serve", "serve.py")):
+        return [sys.executable, "-m", "bench.serve.serve"]
+    if os.path.isfile(os.path.join(path, "bench", "serve.py")):
+        return [sys.executable, "bench/serve.py"]
+    raise SystemExit(f"{path}: neither bench/serve/serve.py nor bench/serve.py")
+
+
 def run_tree(path: str, args, out_md: str, log: str, name: str = "tree") -> str:
     """One serve.py decode run inside the tree at `path`; returns '' or its last error line."""
     # a persistent compilation cache per tree (--cache-dir): later rounds skip the compiles
     cache = os.path.join(os.path.abspath(args.cache_dir), name) if args.cache_dir else ""
-    cmd = [sys.executable, "bench/serve.py", "--sections", "decode", "--decode-batches", args.batches,
-           "--decode-steps", args.steps, "--decode-reps", str(args.reps), "--cache-dir", cache, "--out", out_md]
+    cmd = serve_command(path) + ["--sections", "decode", "--decode-batches", args.batches, "--decode-steps",
+                                 args.steps, "--decode-reps", str(args.reps), "--cache-dir", cache, "--out", out_md]
     if args.smoke:
         cmd.append("--smoke")
     with open(log, "w") as f:

@@ -1,6 +1,6 @@
-"""bench/decode.py's HF transformers section: InklingForCausalLM with the bench's weights
-(`inkling_jax.hf_transformers.causal_lm`, the mapping the parity tests check), scored against
-an fp32 HF oracle, and timed with `generate`."""
+"""The HF transformers section of bench.decode.decode: InklingForCausalLM with the bench's
+weights (`inkling_jax.hf_transformers.causal_lm`, the mapping the parity tests check), scored
+against an fp32 HF oracle, and timed with `generate`."""
 
 from __future__ import annotations
 
@@ -10,12 +10,13 @@ import traceback
 
 import jax.numpy as jnp
 import numpy as np
-from common import Report, elapsed, log, table
-from decode_runs import agreement
-from decode_setup import Setup
 
 import inkling_jax as ik
 from inkling_jax.hf_transformers import causal_lm
+
+from bench.common.helpers import Report, elapsed, log, table
+from bench.decode.runs import agreement
+from bench.decode.setup import Setup
 
 
 def build_hf_model(s: Setup, params, torch_dtype, device):
@@ -194,7 +195,7 @@ def hf_speed(s: Setup, model, prompts: np.ndarray, ours: dict, decode_rows: dict
 
 
 def hf_section(s: Setup, params, prompts: np.ndarray, ours: dict, decode_rows: dict, report: Report) -> None:
-    """Section 6: correctness against the fp32 oracle, then speed (see bench/decode.py)."""
+    """Section 6: correctness against the fp32 oracle, then speed (see bench.decode.decode)."""
     import torch
     import transformers
 

@@ -1,10 +1,10 @@
 """Where a compiled decode step spends its time on the GPU: per-kernel device time from a
 jax profiler trace, and the arena-sized copies in the optimized HLO.
 
-    python bench/profile_decode.py --out DIR [--batches 1,8,32] [--context 1024]
-    python bench/profile_decode.py --out DIR --prefill [--prefill-cases 8x1024,1x8192] [--chunk 4096]
+    python -m bench.profile.decode --out DIR [--batches 1,8,32] [--context 1024]
+    python -m bench.profile.decode --out DIR --prefill [--prefill-cases 8x1024,1x8192] [--chunk 4096]
 
-Builds the bench model and state as bench/decode.py does, compiles the Pallas decode step
+Builds the bench model and state as bench.decode.decode does, compiles the Pallas decode step
 for each batch size, writes its optimized HLO to DIR, runs a few warm steps, traces 10
 steps and prints, per batch: device time per step, the ops that take it (summed per
 kernel name over the traced steps / 10, the largest first) and every HLO `copy` whose
@@ -22,21 +22,19 @@ import dataclasses
 import os
 import re
 import statistics
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import jax
+import numpy as np
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-from common import device_params  # noqa: E402
-from decode_runs import time_decode  # noqa: E402
-from decode_setup import compile_all, decode_shape, make_setup, make_state, parse_args  # noqa: E402
-from device_time import device_events, event_part, hlo_op_parts  # noqa: E402
+from inkling_jax import steps
+from inkling_jax.steps import program as step_program
+from inkling_jax.steps import pack_batch
 
-from inkling_jax import steps  # noqa: E402
-from inkling_jax.steps import program as step_program  # noqa: E402
-from inkling_jax.steps import pack_batch  # noqa: E402
+from bench.common.device_time import device_events, event_part, hlo_op_parts
+from bench.common.helpers import device_params
+from bench.decode.runs import time_decode
+from bench.decode.setup import compile_all, decode_shape, make_setup, make_state, parse_args
 
 
 def parse_profile_args(argv=None):

@@ -1,5 +1,6 @@
-"""bench/decode.py's runs of the compiled steps (prefill, greedy host loop, steady-state decode),
-the bytes a decode step must move (the roofline), and comparisons of tokens and state."""
+"""The runs of bench.decode.decode's compiled steps (prefill, greedy host loop, steady-state
+decode), the bytes a decode step must move (the roofline), and comparisons of tokens and
+state."""
 
 from __future__ import annotations
 
@@ -12,11 +13,12 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from decode_setup import RowIds, Setup
 
 import inkling_jax as ik
 from inkling_jax.cache.state import read_slot_field
 from inkling_jax.steps import StepShape, pack_batch
+
+from bench.decode.setup import RowIds, Setup
 
 
 def prefill(fn, params, shape: StepShape, state, prompts: list[np.ndarray], first_row: int, ids: RowIds):

@@ -1,27 +1,25 @@
 """Routed-expert implementations on the bench config's shapes (bf16).
 
-    python bench/moe_micro.py            a few tokens: dense (every expert), gather (w13[idx]
-                                         copies), slices (dynamic slice per choice)
-    python bench/moe_micro.py --many     many tokens: dense against jax.lax.ragged_dot
-                                         (layers.moe_experts_ragged) and the sorted-block grouped
-                                         GEMM kernels (pallas_kernels/moe/grouped.py) per tiling
-                                         (GPU); useful TFLOP/s count only the chosen experts
+    python -m bench.kernels.moe_micro         a few tokens: dense (every expert), gather (w13[idx]
+                                              copies), slices (dynamic slice per choice)
+    python -m bench.kernels.moe_micro --many  many tokens: dense against jax.lax.ragged_dot
+                                              (layers.moe_experts_ragged) and the sorted-block grouped
+                                              GEMM kernels (pallas_kernels/moe/grouped.py) per tiling
+                                              (GPU); useful TFLOP/s count only the chosen experts
 """
 
 from __future__ import annotations
 
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from common import median_seconds  # noqa: E402
+from inkling_jax.config import InklingConfig
+from inkling_jax.model import layers as L
 
-from inkling_jax.config import InklingConfig  # noqa: E402
-from inkling_jax.model import layers as L  # noqa: E402
+from bench.common.helpers import median_seconds
 
 
 TILINGS = ((64, 128, 64, 4, 3), (128, 128, 64, 8, 3), (64, 128, 64, 4, 4), (128, 128, 32, 4, 3),

@@ -1,6 +1,6 @@
-"""bench/kernels.py's sweeps: the conv_update kernel's channel block / warps / token tile on
-the cases that matter, the MoE grouped mat-vec kernel's tiles, and the lone-row attention
-projections' mat-vec tiles and split counts against XLA's padded GEMM."""
+"""The sweeps of bench.kernels.kernels: the conv_update kernel's channel block / warps / token
+tile on the cases that matter, the MoE grouped mat-vec kernel's tiles, and the lone-row
+attention projections' mat-vec tiles and split counts against XLA's padded GEMM."""
 
 from __future__ import annotations
 
@@ -13,10 +13,11 @@ import jax.numpy as jnp
 import inkling_jax as ik
 import numpy as np
 import pallas_kernels as pk
-from kernel_cases import EXTEND_L, Row, Setup, conv_update_case, moe_weights, rel_err
 from pallas_kernels.conv_state import pallas as conv_pallas
 from pallas_kernels.moe import pallas as moe_pallas
 from pallas_kernels.moe import ref as moe_ref
+
+from bench.kernels.cases import EXTEND_L, Row, Setup, conv_update_case, moe_weights, rel_err
 
 SWEEP_CASES = [("attn", 256, 1), ("attn", 32, 1), ("k (full", 256, 1), ("k (full", 1, EXTEND_L),
                ("attn", 32, EXTEND_L), ("k (full", 32, EXTEND_L), ("k (sliding", 32, EXTEND_L)]
@@ -72,8 +73,8 @@ def _tiles(s: Setup, name, f, ch, b, q, rng, default) -> list[tuple[str, int, in
 
 def sweep(s: Setup, rng, compare_module: str = "", grid: bool = True) -> list[tuple[str, int, int, Row]]:
     """The conv_update kernel's (block, num_warps) choices and extend token tiles on
-    SWEEP_CASES; with compare_module (a module with conv_update's signature, e.g. an earlier
-    version of pallas_kernels/conv_state/pallas.py copied beside it) also its default plan."""
+    SWEEP_CASES; with compare_module (a module with conv_update's signature importable from the
+    repository root, e.g. an earlier pallas_kernels/conv_state/pallas.py copied into pallas_kernels/) also its default plan."""
     out = []
     for prefix, b, q in SWEEP_CASES:
         match = next(((nm, v) for nm, v in s.streams.items() if nm.startswith(prefix)), None)

@@ -1,8 +1,8 @@
 """The engine as a user sees it: `Engine.generate` (host loop included), timed end to end and
 per phase, on a GPU. One run, sections chosen with --sections:
 
-    python bench/serve.py [--sections prefix,decode,prefill,verify,spec,fidelity,mesh,startup,flags] [--out FILE]
-    python bench/serve.py --smoke      # tiny sizes on CPU: checks the script, measures nothing
+    python -m bench.serve.serve [--sections prefix,decode,prefill,verify,spec,fidelity,mesh,startup,flags] [--out FILE]
+    python -m bench.serve.serve --smoke      # tiny sizes on CPU: checks the script, measures nothing
 
 * prefix: the shared-system-prompt workload of issue 14 on the bench model (bf16, random
   weights): 32 requests of `--prompt-len` tokens sharing the first `--shared` ones, 128 new
@@ -16,7 +16,7 @@ per phase, on a GPU. One run, sections chosen with --sections:
   ms/step is per generated token step (decode wall time / the tokens a row generated after
   its first), so K=1 and K>1 compare; the dispatches are counted apart. Against the HBM
   roofline of a decode step at that context (bytes that must move / measured copy
-  bandwidth: on a GPU the copy kernel's time from a profile; bench/decode_runs.py). Median
+  bandwidth: on a GPU the copy kernel's time from a profile; bench/decode/runs.py). Median
   of `--decode-reps` timed runs on one engine, with their range: B = 1 totals of one tree
   moved by up to 0.17 ms between device runs.
 * prefill: issue 17's target, prefill >= 40 % of the bf16 peak (--peak-tflops) at 8 x 1k and
@@ -25,7 +25,7 @@ per phase, on a GPU. One run, sections chosen with --sections:
   max_step_tokens = N * L, context bucket L), max_new_tokens=1, prefix cache off, warmed up on a
   same-shape case; median over --prefill-reps of submit -> the last request's first token,
   extend steps, compiles (checked not to grow while timed), tok/s, and model TFLOP/s from the
-  useful forward FLOPs per token (bench/serve_prefill.py, checked against param_shapes).
+  useful forward FLOPs per token (bench/serve/prefill.py, checked against param_shapes).
 * verify: issue 17's lever 4, a speculative verify step's cost against a decode step's, on the
   bench model with its MTP depths (bf16, random weights: drafts are mostly rejected, so this
   times the steps, not speculation's gain): per batch size of --decode-batches, a plain engine
@@ -43,7 +43,7 @@ per phase, on a GPU. One run, sections chosen with --sections:
   tokens that are the fp32 model's argmax, and the median |log p difference|.
 * mesh: the bench model's decode ms/step through an engine on a one-device mesh against the
   decode section's K=1 figure without a mesh (issue 18: no slower).
-* startup: fresh processes, nothing warm (bench/serve_fresh.py): `import inkling_jax`;
+* startup: fresh processes, nothing warm (bench/serve/fresh.py): `import inkling_jax`;
   `init_params` of the bench model (no MTP) in bf16 to `block_until_ready` (target <= 10 s);
   import -> params -> `Engine` (the batch-1 decode config, prefix cache off) -> the first
   `generate` of one `--prompt-len` prompt with 16 new tokens (target <= 20 s), once with the
@@ -58,8 +58,8 @@ per phase, on a GPU. One run, sections chosen with --sections:
 
 Compile seconds are reported apart (the engine's own compile counter and seconds); a
 persistent compilation cache (--cache-dir, default .jax_cache) makes repeated runs start fast.
-The engine-loop helpers live in bench/serve_loop.py, the fresh-process sections in
-bench/serve_fresh.py.
+The engine-loop helpers live in bench/serve/loop.py, the fresh-process sections in
+bench/serve/fresh.py.
 """
 
 from __future__ import annotations
@@ -70,24 +70,21 @@ import hashlib
 import json
 import os
 import statistics
-import sys
 import time
 
-_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, _REPO)
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from common import Report, copy_bandwidth, device_params, log, table  # noqa: E402
-from decode_runs import decode_bytes  # noqa: E402
-from serve_fresh import section_flags, section_startup, startup_child  # noqa: E402
-from serve_loop import (bench_config, decode_ms_per_token, parse_decode_steps, phases, run, tiny_config,  # noqa: E402
-                        warm)
-from serve_prefill import section_prefill  # noqa: E402
+import inkling_jax as ik
 
-import inkling_jax as ik  # noqa: E402
+from bench import REPO
+from bench.common.helpers import Report, copy_bandwidth, device_params, log, table
+from bench.decode.runs import decode_bytes
+from bench.serve.fresh import section_flags, section_startup, startup_child
+from bench.serve.loop import (bench_config, decode_ms_per_token, parse_decode_steps, phases, run, tiny_config,
+                              warm)
+from bench.serve.prefill import section_prefill
 
 SECTIONS = ("prefix", "decode", "prefill", "verify", "spec", "fidelity", "mesh", "startup", "flags")
 PROSE = ["To be, or not to be, that is the question:", "ROMEO. But soft, what light through yonder window",
@@ -105,7 +102,7 @@ def parse_args(argv=None):
     p.add_argument("--shared", type=int, default=960)
     p.add_argument("--new", type=int, default=128)
     p.add_argument("--requests", type=int, default=32)
-    p.add_argument("--cache-dir", default=os.path.join(_REPO, ".jax_cache"))
+    p.add_argument("--cache-dir", default=os.path.join(REPO, ".jax_cache"))
     p.add_argument("--model", default="", help="trained model directory (default: the shipped one)")
     p.add_argument("--decode-batches", default=None, help="batch sizes of the decode section (default 1,8,32; "
                    "smoke: 1,2)")
@@ -326,7 +323,7 @@ def section_spec(args, report: Report) -> None:
 
 def section_fidelity(args, report: Report) -> None:
     import torch
-    from decode_hf import hf_generate, oracle_scores
+    from bench.decode.hf import hf_generate, oracle_scores
 
     from inkling_jax.hf_transformers import causal_lm
     from inkling_jax.tokenizer import ByteTokenizer
@@ -406,7 +403,7 @@ def main(argv=None) -> int:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     report = Report(args.out)
     dev = jax.devices()[0]
-    report.add(f"## bench/serve.py: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
+    report.add(f"## bench.serve.serve: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
                f"{getattr(dev, 'device_kind', dev.platform)}, jax {jax.__version__}", "head")
     need_bench = {"prefix", "decode", "prefill", "mesh"} & set(sections)
     cfg = params = None

@@ -1,7 +1,7 @@
 """The MoE router epilogue kernel (`pallas_kernels/moe/router.py`) over its tile choices, on the GPU.
 
-    python bench/router_micro.py [--rows 1,8,32,256,4096] [--out router.md]
-    python bench/router_micro.py --smoke     # interpret mode on the CPU: checks only, no times
+    python -m bench.kernels.router_micro [--rows 1,8,32,256,4096] [--out router.md]
+    python -m bench.kernels.router_micro --smoke     # interpret mode on the CPU: checks only, no times
 
 Bench model shapes (E = 32 routed experts, S = 2 sinks, top-4, route_scale 8). For every
 token count n and (block_rows, num_warps) it checks the kernel against `router_epilogue_ref`
@@ -13,20 +13,16 @@ summed per call. The kernel's default tile is marked.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from common import Report, table  # noqa: E402
-from device_time import traced_device_events  # noqa: E402
+from pallas_kernels.moe import router
 
-from pallas_kernels.moe import router  # noqa: E402
+from bench.common.device_time import traced_device_events
+from bench.common.helpers import Report, table
 
 E, S, K, ROUTE_SCALE = 32, 2, 4, 8.0
 

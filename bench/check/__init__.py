@@ -1,0 +1,1 @@
+"""GPU correctness checks: `gpu_check` (Pallas == jnp greedy outputs; speculative == plain)."""
