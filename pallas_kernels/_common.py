@@ -1,13 +1,23 @@
-"""Helpers shared by the Pallas kernels (Triton lowering on GPU, `interpret=True` on CPU)."""
+"""Helpers shared by the Pallas kernels (Triton lowering on GPU, `interpret=True` on CPU), their
+jnp references and the library (`inkling_jax` imports this module; it imports nothing of it):
+
+    pow2_ceil(n), pow2_floor(n), pow2_factor(n)   powers of two around n
+    rms_norm(x, weight, eps)    the model's RMSNorm (the one copy: the layers, the references
+                                and the kernels' interpret-mode bodies all call it)
+    with_ref_vjp, pallas_call, compiler_params   kernel plumbing
+"""
 
 from __future__ import annotations
 
 import importlib.util
+import math
 import sys
 import types
 
 import jax
+import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jaxtyping import Array, Float
 
 INT32_MAX = 2**31 - 1
 
@@ -45,6 +55,21 @@ def pow2_factor(n: int) -> int:
 def pow2_floor(n: int) -> int:
     """The largest power of two <= n (n >= 1)."""
     return 1 << (max(int(n), 1).bit_length() - 1)
+
+
+def pow2_ceil(n: float) -> int:
+    """The smallest power of two >= n (1 for n <= 1)."""
+    return 1 << max(math.ceil(n) - 1, 0).bit_length()
+
+
+@jax.named_scope("norm")
+def rms_norm(x: Float[Array, "... d"], weight: Float[Array, "d"], eps: float) -> Float[Array, "... d"]:
+    """x / sqrt(mean(x^2) + eps) * weight, computed in fp32, returned in x's dtype: the
+    normalised value rounded to x's dtype, then times the weight (rounded to x's dtype) in x's
+    dtype (the kernels that fuse a norm compute exactly this on their tiles)."""
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (weight.astype(x.dtype) * xf.astype(x.dtype)).astype(x.dtype)
 
 
 def compiler_params(interpret: bool, num_warps: int, num_stages: int = 1):

@@ -54,6 +54,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
+from pallas_kernels._common import rms_norm  # the model's norm, shared with the kernels
 
 from ..config import AttentionGeometry, InklingConfig
 
@@ -135,14 +136,6 @@ def matmul(x: Float[Array, "... i"], w: Float[Array, "i o"], matvec: Any = None)
 def linear(x: Float[Array, "... i"], w: Float[Array, "i o"], matvec: Any = None) -> Float[Array, "... o"]:
     """x @ w with fp32 accumulation, returned in x's dtype (`matvec`: see `matmul`)."""
     return matmul(x, w, matvec).astype(x.dtype)
-
-
-@jax.named_scope("norm")
-def rms_norm(x: Float[Array, "... d"], weight: Float[Array, "d"], eps: float) -> Float[Array, "... d"]:
-    """x / sqrt(mean(x^2) + eps) * weight, computed in fp32, returned in x's dtype."""
-    xf = x.astype(jnp.float32)
-    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return (weight.astype(x.dtype) * xf.astype(x.dtype)).astype(x.dtype)
 
 
 def conv_from_taps(x: Float[Array, "... d"], taps: Float[Array, "... k d"], weight: Float[Array, "k d"]) -> Array:

@@ -67,12 +67,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 from jaxtyping import Array, Float, Int
 
-from .._common import pallas_call
-
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(int(n) - 1, 0).bit_length()
+from .._common import pallas_call, pow2_ceil
 
 
 def _num_experts(width: int, bias, num_experts: int | None) -> int:
@@ -90,7 +85,7 @@ def default_block_rows(n: int, width: int) -> int:
 
 def default_num_warps(block_rows: int, width: int) -> int:
     """Warps per program: 1 up to 512 tile values, 2 below 2048, then 4."""
-    elems = block_rows * _next_pow2(width)
+    elems = block_rows * pow2_ceil(width)
     return 1 if elems <= 512 else 2 if elems < 2048 else 4
 
 
@@ -212,7 +207,7 @@ def router_epilogue(logits: Float[Array, "n w"], bias: Float[Array, "e"] | None,
         num_warps = default_num_warps(block_rows, width)
 
     kernel = lambda *refs: _kernel(*refs, n=n, e=e, s=s, k=k, route_scale=route_scale, br=block_rows,
-                                   p=_next_pow2(width), kp=_next_pow2(k), sp=_next_pow2(max(s, 1)),
+                                   p=pow2_ceil(width), kp=pow2_ceil(k), sp=pow2_ceil(max(s, 1)),
                                    has_bias=bias is not None, has_scale=scale is not None)
     out_shape = [jax.ShapeDtypeStruct((n, k), jnp.int32), jax.ShapeDtypeStruct((n, k), jnp.float32)]
     if s:
