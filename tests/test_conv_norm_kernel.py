@@ -182,8 +182,8 @@ def test_gradients_match_reference():
 
 
 def test_ops_wiring():
-    assert pk.REFERENCE_OPS.conv_residual_norm is None
-    assert pk.conv_ops(True, interpret=True).conv_residual_norm is not None
+    assert pk.REFERENCE_OPS.conv_residual_norm is ref_conv.conv_update_residual_norm
+    assert pk.conv_ops(True, interpret=True).conv_residual_norm is not ref_conv.conv_update_residual_norm
 
 
 @pytest.mark.skipif(has_cuda_device(), reason="abstract CUDA lowering is for machines without a GPU")

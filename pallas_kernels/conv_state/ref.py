@@ -21,7 +21,8 @@ m-th checkpoint field.
 
 `conv_update_residual_norm` is `conv_update` followed by the decoder layer's residual add and
 the next RMSNorm (`inkling_jax.model.layers.decoder_layer`: x + conv(a), then `_common.rms_norm`),
-the composition its kernel fuses.
+the composition its kernel fuses. `conv_from_taps` is the model's conv arithmetic too
+(`layers.causal_conv` calls it).
 """
 
 from __future__ import annotations

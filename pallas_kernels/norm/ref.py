@@ -1,4 +1,5 @@
-"""Reference (jnp) of the per-head q / k RMSNorms of `inkling_jax.model.layers.attention_block`.
+"""The per-head q / k RMSNorms of `inkling_jax.model.layers.attention_block` in jnp: what the
+CPU serves (`pallas_kernels.REFERENCE_OPS.qk_norm`) and the oracle of `pallas.qk_norm`.
 
     qk_norm(q, kv, q_weight, k_weight, *, num_heads, num_kv_heads, head_dim, eps)
         -> (q_normed [T, nh, hd], k_normed [T, nkv, hd])
