@@ -38,13 +38,13 @@ printed by the process that meets them.
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import time
 from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+from pallas_kernels._common import pow2_ceil as _pow2
 
 from .config import InklingConfig
 from .tokenizer import ByteTokenizer, tokenizer_for
@@ -157,10 +157,6 @@ def read_prompts(path: str) -> list[str]:
     if not prompts:
         raise CliError(f"--prompts-file {path}: no prompts (one per non-empty line)")
     return prompts
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, math.ceil(math.log2(max(n, 1))))
 
 
 def engine_config(args: argparse.Namespace, prompt_lens: list[int]):

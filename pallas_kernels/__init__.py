@@ -1,97 +1,81 @@
 """Pallas GPU kernels (Triton lowering), each beside its jnp reference; independent of the
-library that calls them (they take arena rows, index arrays and static sizes, nothing else).
+library that calls them (they take arena rows, index arrays and static sizes, nothing else;
+`inkling_jax` imports this package, never the other way round).
 
-    conv_state/  ref.py, pallas.py   fused short-conv update and window writes
+    ops.py       KernelOps: the kernel seam (below), its bounds and the Pallas wrappers
+    _common.py   pow2 helpers, rms_norm and matmul (the model's own: one copy), kernel plumbing
+    conv_state/  ref.py, pallas.py   fused short-conv update and window writes (+ residual add and
+                                     the next RMSNorm: conv_update_residual_norm)
     slot_ops/    ref.py, pallas.py   field reads / writes; copy and clear of unit runs
-    attention/   ref.py, pallas.py   flash-style attention with the relative bias (prefill / extend)
-                 decode_ref.py, decode.py   decode / verify attention reading rings and pages in place
-    moe/         ref.py, pallas.py   grouped mat-vec for the routed experts of a few tokens
+    attention/   ref.py, pallas.py   the model's attention math; flash-style kernel with the relative
+                                     bias (prefill / extend)
+                 decode_ref.py, decode.py   a step's attention against the rings / pages of the
+                                     arena; kernels reading them in place (decode / verify)
+    moe/         ref.py              the routed and shared experts (every jnp strategy)
+                 pallas.py           grouped mat-vec for the experts of a few tokens
                  grouped.py          sorted-block grouped GEMMs for the routed experts of many
+                 router.py           the router after its matmul (jnp; one-launch kernel)
     norm/        ref.py, pallas.py   the attention block's per-head q / k RMSNorms in one launch
 
-    conv_ops(use_pallas, interpret=False) -> ConvOps
+    kernel_ops(use_pallas, interpret=False) -> KernelOps      (conv_ops: the same function)
 
-picks the implementation of the operations once; every function of the returned `ConvOps`
-has the reference's signature (`interpret` is bound):
+picks the implementation once. Every field of a `KernelOps` is a function with the same
+signature in both implementations (`interpret` is bound): the jnp one (`REFERENCE_OPS`, the
+ref.py functions) is what the CPU serves and the oracle of the Pallas one, and the Pallas one
+decides by the sizes it is given whether its kernel or the reference runs:
 
     conv_update(arena, x, weight, rows, active_row, track_row, *, window_shape, channels,
-                sink_rows) -> (y, arena)
+                sink_rows=0) -> (y, arena)
     conv_write(arena, x, window, rows, active_row, track_row, *, window_shape, channels,
-               sink_rows) -> arena
+               sink_rows=0) -> arena
     conv_residual_norm(arena, x, weight, rows, active_row, track_row, residual, norm_weight, *,
-               eps, window_shape, channels, sink_rows) -> (residual + y, rms_norm(residual + y), arena):
-        conv_update fused with the decoder layer's residual add and next RMSNorm, or None for
-        the references (the layer then runs conv_update, the add and the norm)
-    copy_units(arena, src_rows, dst_rows, *, num_units, sink_rows) -> arena
-    clear_units(arena, dst_rows, *, num_units, sink_rows) -> arena
-    moe_experts(x, idx, weight, w13, w2) -> y, or None for the references (the model's MoE
-        then picks its own jnp implementation)
-    moe_experts_many(x, idx, weight, w13, w2) -> y, the same for many tokens, or None
-    moe_experts_with_shared(x, idx, weight, w13, w2, shared_w13, shared_w2, gamma, *, gated) -> y:
-        moe_experts plus the shared experts added as layers.moe_mlp adds them, each product of
-        both in one grouped mat-vec launch (few tokens, single device), or None
-    grouped_matvec(x, idx, w, *, x_repeat=1) -> y [m, F] fp32, y[i] = x[i // x_repeat] @ w[idx[i]]
-        (ids clamped to [0, E) in the kernel): the shared experts of a few tokens
-        (layers.shared_experts' matvec) and a lone token's attention projections (layers.matmul's
-        matvec), or None
-    attention(q, k, v, rel, q_pos, k_pos, k_valid, *, window) -> out, or None (the model's
-        attention_core materialises the scores then)
-    ring_attention(q, r, rel_proj, tau, k_new, v_new, q_pos, q_valid, arena, ring_unit_row,
-        seq_start, has_state, *, ring, window) -> out, or None (the step gathers the ring then);
-        the relative bias (r @ rel_proj) and the log scaling (tau) computed in the kernel
-    paged_attention(q, r, rel_proj, tau, k_new, v_new, q_pos, q_valid, arena, page_unit_row,
-        seq_start, *, page_size, window) -> out, or None (the step gathers the pages then)
-    router_epilogue(logits, bias, scale, *, k, route_scale, num_experts) -> (idx, w, gamma):
-        layers.route after its matmul, or None (route's jnp then)
+               eps, window_shape, channels, sink_rows=0) -> (residual + y, rms_norm(residual + y), arena):
+        conv_update with the decoder layer's residual add and next RMSNorm (one kernel up to
+        ops.FUSED_CONV_NORM_MAX_TOKENS packed tokens)
+    copy_units(arena, src_rows, dst_rows, *, num_units=1, sink_rows=0) -> arena
+    clear_units(arena, dst_rows, *, num_units=1, sink_rows=0) -> arena
+    matmul(x, w) -> x @ w fp32: the attention block's projections (a lone row: the grouped
+        mat-vec kernel, where XLA's GEMM needed it padded to two)
     qk_norm(q, kv, q_weight, k_weight, *, num_heads, num_kv_heads, head_dim, eps)
-        -> (q_normed [T, nh, hd], k_normed [T, nkv, hd]): layers.attention_block's per-head
+        -> (q_normed [T, nh, hd], k_normed [T, nkv, hd]): the attention block's per-head
         rms_norms of q (the first nh * hd columns of q, read in place) and k (the first half of
-        the k|v conv output, read in place) in one launch, or None (the block's jnp then)
+        the k|v conv output, read in place) (one kernel up to ops.QK_NORM_MAX_TOKENS tokens)
+    router_epilogue(logits, bias, scale, *, k, route_scale, num_experts=None, gate="sigmoid",
+        norm_after_topk=True) -> (idx, w, gamma): the router after its matmul (one kernel for
+        the sigmoid + norm_after_topk routers)
+    experts(x, idx, weight, w13, w2, shared_w13=None, shared_w2=None, gamma=None, *, gated=False,
+        num_experts=None, shared_mask=None) -> y: the routed experts plus the shared ones
+        (shared_mask, on a mesh: applied to their sum before the add); the grouped mat-vec
+        kernel for a few tokens (routed and shared rows in one launch per product where
+        shared_mask is None), the grouped GEMMs for many (ops.FEW_TOKEN_KERNEL_CHOICES_PER_EXPERT,
+        ops.GROUPED_MIN_CHOICES_PER_EXPERT)
+    ring_attention(q, r, rel_proj, tau, k_new, v_new, q_pos, q_valid, arena, ring_unit_row,
+        seq_start, has_state, *, ring, window, context=None) -> out
+    paged_attention(q, r, rel_proj, tau, k_new, v_new, q_pos, q_valid, arena, page_unit_row,
+        seq_start, *, page_size, window=None, context=None) -> out: a step's queries against
+        the sliding rings / the full-attention pages and their own new keys, the relative
+        bias (r @ rel_proj) and the log scaling (tau) applied; `context` (optional) reads the
+        context keys for the paths that gather them. Rows of < ops.FUSED_ATTENTION_MIN_QUERY
+        queries: the decode kernels, reading the arena in place; longer: the flash kernel
 
 `use_pallas`: False -> the jnp references; True -> the Pallas kernels; "auto" -> Pallas when
 `jax.default_backend() == "gpu"`, the references otherwise. `interpret=True` runs the Pallas
-kernels in interpret mode (any backend; this is how CPU tests run them: `conv_ops(True, True)`).
+kernels in interpret mode (any backend; this is how CPU tests run them: `kernel_ops(True, True)`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from functools import lru_cache, partial
-from typing import Callable
+from functools import lru_cache
 
 import jax
 
-from . import attention, conv_state, moe, norm, slot_ops
+from . import attention, conv_state, moe, norm, ops, slot_ops
+from .ops import REFERENCE_OPS, KernelOps
+
+ConvOps = KernelOps  # the record's earlier name
 
 
-@dataclass(frozen=True)
-class ConvOps:
-    """The conv-state and unit operations of one implementation (reference signatures)."""
-
-    conv_update: Callable
-    conv_write: Callable
-    copy_units: Callable
-    clear_units: Callable
-    moe_experts: Callable | None = None  # few-token routed experts (layers.moe_mlp's few_token_experts)
-    moe_experts_many: Callable | None = None  # many-token routed experts (layers.moe_mlp's many_token_experts)
-    grouped_matvec: Callable | None = None  # y[i] = x[i] @ w[idx[i]] (layers.shared_experts' matvec, few tokens)
-    moe_experts_with_shared: Callable | None = None  # few-token routed + shared experts (layers.moe_mlp)
-    attention: Callable | None = None  # fused attention of many queries (steps.context.StepContext.attend)
-    ring_attention: Callable | None = None  # few queries against sliding rings read in place (decode / verify)
-    paged_attention: Callable | None = None  # few queries against full-attention pages read in place
-    router_epilogue: Callable | None = None  # the MoE router after its matmul (layers.route's epilogue)
-    conv_residual_norm: Callable | None = None  # conv_update + residual add + next RMSNorm (few-token steps)
-    qk_norm: Callable | None = None  # the attention block's per-head q / k RMSNorms (few-token steps)
-    pallas: bool = False  # True: the Pallas kernels
-    interpret: bool = False
-
-
-REFERENCE_OPS = ConvOps(conv_update=conv_state.ref.conv_update, conv_write=conv_state.ref.conv_write,
-                        copy_units=slot_ops.ref.copy_units, clear_units=slot_ops.ref.clear_units,
-                        pallas=False, interpret=False)
-
-
-def conv_ops(use_pallas: bool | str, interpret: bool = False) -> ConvOps:
+def kernel_ops(use_pallas: bool | str, interpret: bool = False) -> KernelOps:
     """The implementation to use: see the module docstring."""
     if use_pallas == "auto":
         use_pallas = jax.default_backend() == "gpu"
@@ -105,41 +89,15 @@ def conv_ops(use_pallas: bool | str, interpret: bool = False) -> ConvOps:
     return _pallas_ops(interpret)
 
 
+conv_ops = kernel_ops  # the earlier name (engine/runner.py, steps/program.py, bench/)
+
+
 @lru_cache(maxsize=None)
-def _pallas_ops(interpret: bool) -> ConvOps:
-    """The Pallas ops, each behind its own jit (one set per process): a step calls the same
-    kernel at the same shapes in every layer, and a jit traces and lowers it once for all of
-    them (the persistent compilation cache stores compiled programs, not this lowering, so
-    without it every fresh process traced and lowered each layer's kernels again: ~25 s of a
-    bench-model start). Inside the step the jit is a call XLA inlines: the arena is still
-    updated in place."""
-    def jitted(fn, *static):
-        return jax.jit(partial(fn, interpret=interpret), static_argnames=static)
-
-    conv = ("window_shape", "channels", "sink_rows", "block", "num_warps")
-    units = ("num_units", "sink_rows")
-    return ConvOps(
-        conv_update=jitted(conv_state.pallas.conv_update, *conv, "tile"),
-        conv_write=jitted(conv_state.pallas.conv_write, *conv),
-        conv_residual_norm=jitted(conv_state.pallas.conv_update_residual_norm, "eps", "window_shape", "channels",
-                                  "sink_rows", "num_warps"),
-        copy_units=jitted(slot_ops.pallas.copy_units, *units),
-        clear_units=jitted(slot_ops.pallas.clear_units, *units),
-        moe_experts=jitted(moe.pallas.moe_experts, "tf", "bh", "splits", "num_warps", "target_programs"),
-        moe_experts_many=jitted(moe.grouped.moe_experts_grouped, "bm", "bn", "bk", "num_warps", "num_stages"),
-        moe_experts_with_shared=jitted(moe.pallas.moe_experts_with_shared, "gated", "tf", "bh", "splits",
-                                       "num_warps", "target_programs"),
-        grouped_matvec=jitted(moe.pallas.grouped_matvec, "x_repeat", "tf", "bh", "splits", "num_warps",
-                              "target_programs"),
-        attention=jitted(attention.pallas.attention, "window", "bq", "bk", "num_warps", "num_stages"),
-        ring_attention=jitted(attention.decode.ring_attention, "ring", "window", "num_splits", "bk", "num_warps",
-                              "num_stages"),
-        paged_attention=jitted(attention.decode.paged_attention, "page_size", "window", "num_splits", "num_warps",
-                               "num_stages"),
-        router_epilogue=jitted(moe.router.router_epilogue, "k", "route_scale", "num_experts", "block_rows",
-                               "num_warps"),
-        qk_norm=jitted(norm.pallas.qk_norm, "num_heads", "num_kv_heads", "head_dim", "eps", "num_warps"),
-        pallas=True, interpret=interpret)
+def _pallas_ops(interpret: bool) -> KernelOps:
+    """The Pallas ops, one set per process and mode (`ops.pallas_ops`: each kernel behind its
+    own jit, traced and lowered once for every layer that calls it)."""
+    return ops.pallas_ops(interpret)
 
 
-__all__ = ["ConvOps", "REFERENCE_OPS", "attention", "conv_ops", "conv_state", "moe", "norm", "slot_ops"]
+__all__ = ["ConvOps", "KernelOps", "REFERENCE_OPS", "attention", "conv_ops", "conv_state", "kernel_ops", "moe", "norm",
+           "ops", "slot_ops"]

@@ -1,13 +1,25 @@
-"""Helpers shared by the Pallas kernels (Triton lowering on GPU, `interpret=True` on CPU)."""
+"""Helpers shared by the Pallas kernels (Triton lowering on GPU, `interpret=True` on CPU), their
+jnp references and the library (`inkling_jax` imports this module; it imports nothing of it):
+
+    pow2_ceil(n), pow2_floor(n), pow2_factor(n)   powers of two around n
+    rms_norm(x, weight, eps)    the model's RMSNorm (the one copy: the layers, the references
+                                and the kernels' interpret-mode bodies all call it)
+    matmul(x, w)                x @ w with fp32 accumulation and result (the model's products;
+                                a lone row padded to two on GPU backends: PAD_LONE_ROW)
+    with_ref_vjp, pallas_call, compiler_params   kernel plumbing
+"""
 
 from __future__ import annotations
 
 import importlib.util
+import math
 import sys
 import types
 
 import jax
+import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jaxtyping import Array, Float
 
 INT32_MAX = 2**31 - 1
 
@@ -45,6 +57,44 @@ def pow2_factor(n: int) -> int:
 def pow2_floor(n: int) -> int:
     """The largest power of two <= n (n >= 1)."""
     return 1 << (max(int(n), 1).bit_length() - 1)
+
+
+def pow2_ceil(n: float) -> int:
+    """The smallest power of two >= n (1 for n <= 1)."""
+    return 1 << max(math.ceil(n) - 1, 0).bit_length()
+
+
+@jax.named_scope("norm")
+def rms_norm(x: Float[Array, "... d"], weight: Float[Array, "d"], eps: float) -> Float[Array, "... d"]:
+    """x / sqrt(mean(x^2) + eps) * weight, computed in fp32, returned in x's dtype: the
+    normalised value rounded to x's dtype, then times the weight (rounded to x's dtype) in x's
+    dtype (the kernels that fuse a norm compute exactly this on their tiles)."""
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (weight.astype(x.dtype) * xf.astype(x.dtype)).astype(x.dtype)
+
+
+# Pad a lone token row to two before a weight product. XLA's GPU compiler rewrites a
+# vector x matrix product below ~1e7 multiply-adds into multiply + reduce fusions, which read
+# the weight at a quarter of the bandwidth a GEMM reaches (and, for per-expert slices, even
+# materialise the f32 products): 1-token decode spent most of its time there. With two rows
+# the product stays a GEMM. None: pad on GPU backends only (the CPU has no such rewrite).
+PAD_LONE_ROW: bool | None = None
+
+
+def pad_lone_row() -> bool:
+    return jax.default_backend() == "gpu" if PAD_LONE_ROW is None else PAD_LONE_ROW
+
+
+def matmul(x: Float[Array, "... i"], w: Float[Array, "i o"]) -> Float[Array, "... o"]:
+    """x @ w in x's dtype with fp32 accumulation and an fp32 result (a single row of x is
+    padded to two where PAD_LONE_ROW says, see above)."""
+    w = w.astype(x.dtype)
+    if w.ndim == 2 and math.prod(x.shape[:-1]) == 1 and pad_lone_row():
+        x2 = jnp.pad(x.reshape(1, -1), ((0, 1), (0, 0)))
+        y = jnp.matmul(x2, w, preferred_element_type=jnp.float32)[:1]
+        return y.reshape(*x.shape[:-1], w.shape[-1])
+    return jnp.matmul(x, w, preferred_element_type=jnp.float32)
 
 
 def compiler_params(interpret: bool, num_warps: int, num_stages: int = 1):

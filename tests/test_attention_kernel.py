@@ -1,5 +1,6 @@
-"""The flash-style attention kernel (`pallas_kernels.attention`) against its jnp reference, and the
-reference against the model's `attention_core`: interpret mode on CPU, the compiled Triton kernel
+"""The flash-style attention kernel (`pallas_kernels.attention`) against its jnp reference (the
+model's attention math: `layers.attention_core` is `attention_tables` + `ref.attention`), and the
+kernel's glue (`attention_tables`, one key block) against `attention_core`: interpret mode on CPU, the compiled Triton kernel
 on a GPU. fp32 results match within 1e-5 (only summation orders differ); bf16 within 2e-2 on
 O(1) outputs (the kernel rounds the unnormalised probabilities to bf16 before p @ v, the
 reference the normalised ones; see `pallas_kernels/attention/pallas.py`). Small blocks
@@ -29,6 +30,14 @@ def rand(rng, shape, dtype=jnp.float32, scale=1.0):
 
 def close(a, b, rtol, atol):
     np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=rtol, atol=atol)
+
+
+@pytest.fixture(autouse=True)
+def true_float32_references():
+    """The jnp references' float32 matmuls at full precision: on Hopper JAX's default float32
+    dot is TF32 (~1e-3 relative), the kernel's products are exact float32."""
+    with jax.default_matmul_precision("highest"):
+        yield
 
 
 def kernel(*args, window, **kw):

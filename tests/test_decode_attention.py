@@ -35,6 +35,14 @@ def close(a, b, rtol, atol):
     np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=rtol, atol=atol)
 
 
+@pytest.fixture(autouse=True)
+def true_float32_references():
+    """The jnp references' float32 matmuls at full precision: on Hopper JAX's default float32
+    dot is TF32 (~1e-3 relative), the kernel's products are exact float32."""
+    with jax.default_matmul_precision("highest"):
+        yield
+
+
 class Case:
     """A random arena holding each row's context K/V at the layout's places, the step's new
     tokens, and (for attention_core) each row's context listed directly: positions, K, V."""

@@ -532,18 +532,16 @@ def test_kernels_lower_for_gpu(verify_triton_modules):
 def test_engine_with_pallas_kernels_matches_jnp(trunk_params, monkeypatch):
     """The engine wired to the Pallas ops (interpret mode on CPU, compiled on a GPU) generates
     what the jnp engine generates: one 40-token request, whose prefill takes the many-query
-    kernels, the flash attention (`ConvOps.attention`, rows of >= 32 queries) and the
-    grouped-GEMM experts (`ConvOps.moe_experts_many`; their threshold lowered to 8 choices per
-    expert so the tiny model's 32-token step reaches it), and whose batch-1 decode steps take
-    the few-token MoE kernel (`ConvOps.moe_experts_with_shared`: the routed and shared experts
-    in one launch per product; `grouped_matvec` for the attention projections) and the decode
-    attention kernels, which
-    read the sliding rings and the pages in place (`ConvOps.ring_attention` /
-    `paged_attention`; pages of 16 tokens so the paged kernel, not its fallback, runs), over
-    checkpoint boundaries; both phases route through the router's epilogue kernel. Tokens
-    equal; log-probs within 1e-5 (the kernels sum in other orders than XLA)."""
-    from inkling_jax.model import layers
-
+    kernels, the flash attention (`KernelOps.ring_attention / paged_attention` for rows of >= 32
+    queries) and the grouped-GEMM experts (`KernelOps.experts` for many tokens; their threshold
+    lowered to 8 choices per expert so the tiny model's 32-token step reaches it), and whose
+    batch-1 decode steps take the few-token MoE kernel (`KernelOps.experts`: the routed and
+    shared experts in one launch per product; `KernelOps.matmul` the grouped mat-vec for the
+    attention projections) and the decode attention kernels, which read the sliding rings and
+    the pages in place (`KernelOps.ring_attention` / `paged_attention` for fewer queries; pages
+    of 16 tokens so the paged kernel, not its fallback, runs), over checkpoint boundaries; both
+    phases route through the router's epilogue kernel. Tokens equal; log-probs within 1e-5 (the
+    kernels sum in other orders than XLA)."""
     prompt = list(np.random.RandomState(8).randint(3, TRUNK.unpadded_vocab_size, 40))
     kw = {**ENGINE_KW, "max_running": 1, "min_batch_bucket": 1, "chunk_size": 64, "max_step_tokens": 64,
           "page_size": 16, "track_interval": 16}
@@ -562,7 +560,7 @@ def test_engine_with_pallas_kernels_matches_jnp(trunk_params, monkeypatch):
     monkeypatch.setattr(pk.moe.pallas, "grouped_matvec", spy("shared", pk.moe.pallas.grouped_matvec))
     monkeypatch.setattr(pk.moe.router, "router_epilogue", spy("router", pk.moe.router.router_epilogue))
     monkeypatch.setattr(pk.moe.pallas, "moe_experts_with_shared", spy("joined", pk.moe.pallas.moe_experts_with_shared))
-    monkeypatch.setattr(layers, "GROUPED_MIN_CHOICES_PER_EXPERT", 8)
+    monkeypatch.setattr(pk.ops, "GROUPED_MIN_CHOICES_PER_EXPERT", 8)
     pk._pallas_ops.cache_clear()  # the ops pick the spies up
     try:
         for pallas in (False, True):

@@ -9,7 +9,10 @@ import numpy as np
 import pytest
 
 import inkling_jax as ik
+import pallas_kernels as pk
 from inkling_jax.model import layers as L
+from inkling_jax.model import moe as model_moe
+from pallas_kernels.moe import ref as moe_ref
 from conftest import random_tokens
 
 
@@ -145,16 +148,20 @@ def test_mtp_chain_semantics(tiny):
 
 @pytest.mark.parametrize("impl", ["auto", "slices", "dense", "gather"])
 def test_lone_row_padding_keeps_results(tiny, impl, monkeypatch):
-    """The one-token GPU workaround (layers.PAD_LONE_ROW: a single row padded to two before
-    weight products) computes the same function: a one-token forward and MoE agree with the
-    unpadded path within f32 rounding (1e-5 of the logit scale), on every experts impl."""
+    """The one-token GPU workaround (`pallas_kernels._common.PAD_LONE_ROW`: a single row padded
+    to two before weight products) computes the same function: a one-token forward and MoE
+    agree with the unpadded path within f32 rounding (1e-5 of the logit scale), on every
+    routed experts impl (the layer's own choice: "auto")."""
     cfg, params = tiny
     tokens = jnp.asarray(random_tokens(cfg, (1, 1), seed=3))
     x = jax.random.normal(jax.random.key(1), (1, cfg.hidden_size), jnp.float32)
     moe = next(l["mlp"] for i, l in enumerate(params["layers"]) if i not in cfg.dense_layer_ids)
+    if impl != "auto":  # the jnp experts' own choice (slices or dense) replaced by this impl
+        fn = moe_ref.MOE_IMPLS[impl]
+        monkeypatch.setattr(moe_ref, "MOE_IMPLS", {**moe_ref.MOE_IMPLS, "slices": fn, "dense": fn})
     out = {}
     for pad in (False, True):
-        monkeypatch.setattr(L, "PAD_LONE_ROW", pad)
-        out[pad] = (np.asarray(ik.forward(params, cfg, tokens)), np.asarray(L.moe_mlp(moe, cfg, x, impl)))
+        monkeypatch.setattr(pk._common, "PAD_LONE_ROW", pad)
+        out[pad] = (np.asarray(ik.forward(params, cfg, tokens)), np.asarray(model_moe.moe_mlp(moe, cfg, x)))
     for a, b in zip(out[False], out[True]):
         assert np.abs(a - b).max() <= 1e-5 * np.abs(a).max(), np.abs(a - b).max()

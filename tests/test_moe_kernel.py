@@ -1,6 +1,7 @@
-"""The grouped mat-vec MoE kernel (`pallas_kernels.moe`) against its jnp references: interpret
-mode on CPU, the compiled Triton kernel on a GPU. Results match within float tolerance (the
-fp32 summation order differs from XLA's); gradients are the reference's VJP."""
+"""The MoE kernels (`pallas_kernels.moe`) against their jnp references (`moe.ref`: what the CPU
+serves), and the experts op of the Pallas `KernelOps` choosing among them: interpret mode on
+CPU, the compiled Triton kernel on a GPU. Results match within float tolerance (the fp32
+summation order differs from XLA's); gradients are the reference's VJP."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ import numpy as np
 import pytest
 from conftest import has_cuda_device
 
-from inkling_jax.model import layers
 import inkling_jax as ik
+import pallas_kernels as pk
+from inkling_jax.model import moe as model_moe
 from pallas_kernels.moe import grouped
 from pallas_kernels.moe import pallas as moe
 from pallas_kernels.moe import ref as moe_ref
@@ -160,15 +162,15 @@ def test_moe_experts(n, k, dtype):
     args = moe_inputs(rng, n, k, dtype)
     out = moe.moe_experts(*args, **SMALL, interpret=INTERPRET)
     assert out.shape == args[0].shape and out.dtype == dtype
-    ref = layers.moe_experts_slices(*args)
-    gather = layers.moe_experts_gather(*args)
+    ref = moe_ref.moe_experts(*args)  # the oracle: slices or dense, as the CPU serves it
     scale = float(np.abs(np.asarray(ref, np.float32)).max())
     if dtype == jnp.float32:
         tol = dict(rtol=1e-5, atol=1e-5 * scale)
     else:  # act / y / out are rounded to bf16: a rounding may land an ulp (2^-8) apart
         tol = dict(rtol=1e-2, atol=4e-3 * scale)
     close(out, ref, **tol)
-    close(out, gather, **tol)
+    for impl in ("slices", "dense", "gather"):
+        close(out, moe_ref.MOE_IMPLS[impl](*args), **tol)
 
 
 def test_moe_experts_defaults_jit():
@@ -176,7 +178,7 @@ def test_moe_experts_defaults_jit():
     rng = np.random.default_rng(5)
     args = moe_inputs(rng, 2, 2, jnp.bfloat16, h=256, f=128)
     fn = jax.jit(lambda *a: moe.moe_experts(*a, interpret=INTERPRET))
-    out, ref = fn(*args), layers.moe_experts_slices(*args)
+    out, ref = fn(*args), moe_ref.moe_experts(*args)
     scale = float(np.abs(np.asarray(ref, np.float32)).max())
     close(out, ref, rtol=1e-2, atol=4e-3 * scale)
 
@@ -197,7 +199,7 @@ def test_moe_experts_grad(which):
         return lambda x, weight, w13, w2: jnp.sum(fn(x, idx, weight, w13, w2) * r)
 
     g = jax.grad(loss(kern), argnums=(0, 1, 2, 3))(x, weight, w13, w2)
-    g_ref = jax.grad(loss(layers.moe_experts_slices), argnums=(0, 1, 2, 3))(x, weight, w13, w2)
+    g_ref = jax.grad(loss(moe_ref.moe_experts), argnums=(0, 1, 2, 3))(x, weight, w13, w2)
     for a, b, name in zip(g, g_ref, ["x", "weight", "w13", "w2"]):
         assert np.abs(np.asarray(b)).max() > 0, name
         close(a, b, rtol=1e-6, atol=1e-6)
@@ -249,11 +251,12 @@ def test_grouped_matvec_extra_rows():
     (1, 2, 1, True, jnp.float32), (3, 4, 3, True, jnp.float32), (2, 3, 2, False, jnp.float32),
     (4, 2, 2, True, jnp.bfloat16), (1, 4, 2, False, jnp.bfloat16)], ids=["f32-1", "f32-3", "f32-2", "bf16-4", "bf16-1"])
 def test_moe_experts_with_shared(n, k, s_, gated, dtype):
-    """The joined routed + shared experts against today's math (`ref.moe_experts_with_shared`)
-    and today's kernels (moe_experts, the shared experts' grouped mat-vec, the add): the routed
-    rows take moe_experts' own splits (bit for bit); the shared rows' fp32 sums may split
-    differently, so bf16 within 1 ulp, fp32 within 1e-5 relative (measured here: bf16 within
-    1 ulp of the largest term, mostly equal; fp32 max abs ~1e-6)."""
+    """The joined routed + shared experts against the separate kernels (moe_experts, the shared
+    experts' grouped mat-vec, the add): the routed rows take moe_experts' own splits (bit for
+    bit); the shared rows' fp32 sums may split differently, so bf16 within 1 ulp, fp32 within
+    1e-5 relative (measured here: bf16 within 1 ulp of the largest term, mostly equal; fp32 max
+    abs ~1e-6); and against the jnp experts (`ref.experts`, what the CPU serves) within the
+    routed kernel's tolerance."""
     rng = np.random.default_rng(1000 * n + 100 * k + 10 * s_ + gated + (dtype == jnp.bfloat16))
     x, idx, weight, w13, w2 = moe_inputs(rng, n, k, dtype)
     idx = idx.at[0, -1].set(E + 3) if k > 2 else idx  # out of range: clamped to E - 1 (as moe_experts)
@@ -263,8 +266,8 @@ def test_moe_experts_with_shared(n, k, s_, gated, dtype):
     args = (x, idx, weight, w13, w2, sw13, sw2, gamma)
     out = moe.moe_experts_with_shared(*args, gated=gated, **SMALL, interpret=INTERPRET)
     assert out.shape == x.shape and out.dtype == dtype
-    want = moe_ref.moe_experts_with_shared(*args, gated=gated)
-    # today's engine: the routed kernel, the shared experts through the grouped mat-vec, moe_mlp's add
+    want = moe_ref.experts(*args, gated=gated)
+    # the separate kernels: the routed kernel, the shared experts through the grouped mat-vec, the add
     routed = moe.moe_experts(x, idx, weight, w13, w2, **SMALL, interpret=INTERPRET)
     sid = jnp.tile(jnp.arange(s_, dtype=jnp.int32), n)
     mv = lambda *a, **kw: moe.grouped_matvec(*a, **kw, **SMALL, interpret=INTERPRET)
@@ -274,10 +277,11 @@ def test_moe_experts_with_shared(n, k, s_, gated, dtype):
     y = mv(act.astype(dtype), sid, sw2).astype(dtype).astype(jnp.float32).reshape(n, s_, -1).sum(axis=1)
     today = (routed.astype(jnp.float32) + y).astype(dtype)
     scale = float(np.abs(np.asarray(want, np.float32)).max())
-    for other in (want, today):
-        if dtype == jnp.bfloat16:
-            assert ulps(out, other, dtype) <= 1
-        else:
+    if dtype == jnp.bfloat16:
+        assert ulps(out, today, dtype) <= 1
+        close(out, want, rtol=1e-2, atol=4e-3 * scale)
+    else:
+        for other in (want, today):
             close(out, other, rtol=1e-5, atol=1e-5 * scale)
 
 
@@ -289,7 +293,7 @@ def test_moe_experts_with_shared_grad_and_fallback():
     gamma = jnp.asarray(rng.uniform(0.1, 1.0, (2, 2)), jnp.float32)
     r = rand(rng, x.shape)
     kern = lambda *a: moe.moe_experts_with_shared(*a, gated=True, **SMALL, interpret=INTERPRET)
-    refn = lambda *a: moe_ref.moe_experts_with_shared(*a, gated=True)
+    refn = lambda *a: moe_ref.experts(*a, gated=True)
     loss = lambda fn: lambda x, weight, sw13, gamma: jnp.sum(fn(x, idx, weight, w13, w2, sw13, sw2, gamma) * r)
     g = jax.grad(loss(kern), argnums=(0, 1, 2, 3))(x, weight, sw13, gamma)
     g_ref = jax.grad(loss(refn), argnums=(0, 1, 2, 3))(x, weight, sw13, gamma)
@@ -300,33 +304,48 @@ def test_moe_experts_with_shared_grad_and_fallback():
     np.testing.assert_array_equal(np.asarray(kern(*narrow)), np.asarray(refn(*narrow)))
 
 
+def spied_ops(monkeypatch, calls: list, **kernels):
+    """The Pallas ops (interpret mode on CPU) with each named `pallas_kernels.moe.pallas` kernel
+    recording (name, its first argument's rows) when a call traces it."""
+    for name, module in kernels.items():
+        real = getattr(module, name)
+
+        def spy(*a, real=real, name=name, **kw):
+            calls.append((name, a[0].shape[0]))
+            return real(*a, **kw)
+        monkeypatch.setattr(module, name, spy)
+    return pk.ops.pallas_ops(INTERPRET)
+
+
+def moe_layer(cfg, seed, dtype):
+    p = ik.init_params(cfg, jax.random.key(seed))["layers"][cfg.dense_layer_ids[-1] + 1]["mlp"]
+    return jax.tree.map(lambda a: a.astype(dtype) if a.dtype == jnp.bfloat16 else a, p)
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
-def test_moe_mlp_joined_experts(dtype):
-    """layers.moe_mlp hands a few tokens' routed and shared experts to
-    few_token_experts_with_shared (one call) where the few-token kernel is chosen and shared
-    experts exist: the separate kernels' result (bf16 within 1 ulp); many tokens: not called."""
+def test_experts_op_joins_the_few_token_kernels(monkeypatch, dtype):
+    """The Pallas experts op hands a few tokens' routed and shared experts to the joined kernel
+    (one call) on a single device: the separate kernels' result (what a mesh, shared_mask
+    given, runs; bf16 within 1 ulp); 8 tokens: neither (dense routed experts, einsum shared)."""
     cfg = ik.InklingConfig.tiny(n_routed_experts=16)
-    p = ik.init_params(cfg, jax.random.key(2))["layers"][cfg.dense_layer_ids[-1] + 1]["mlp"]
-    p = jax.tree.map(lambda a: a.astype(dtype) if a.dtype == jnp.bfloat16 else a, p)
+    p = moe_layer(cfg, 2, dtype)
     x = rand(np.random.default_rng(80), (2, cfg.hidden_size), dtype)
-    few = lambda *a: moe.moe_experts(*a, **SMALL, interpret=INTERPRET)
-    mv = lambda *a, **kw: moe.grouped_matvec(*a, **kw, **SMALL, interpret=INTERPRET)
     calls = []
-
-    def joined(*a, **kw):
-        calls.append(a[0].shape[0])
-        return moe.moe_experts_with_shared(*a, **kw, **SMALL, interpret=INTERPRET)
-
-    got = layers.moe_mlp(p, cfg, x, few_token_experts=few, few_token_matvec=mv, few_token_experts_with_shared=joined)
-    assert calls == [2]
-    want = layers.moe_mlp(p, cfg, x, few_token_experts=few, few_token_matvec=mv)
+    ops = spied_ops(monkeypatch, calls, moe_experts_with_shared=moe, moe_experts=moe)
+    idx, w, gamma = model_moe.route(p, cfg, x, ops)
+    args = (x, idx, w, p["w13"], p["w2"], p["shared_w13"], p["shared_w2"], gamma)
+    got = ops.experts(*args, gated=True, num_experts=16)
+    assert calls == [("moe_experts_with_shared", 2)]
+    want = ops.experts(*args, gated=True, num_experts=16, shared_mask=lambda s: s)
+    assert calls[1:] == [("moe_experts", 2)]
     if dtype == jnp.bfloat16:
         assert ulps(got, want, dtype) <= 1
     else:
         close(got, want, rtol=1e-5, atol=1e-5 * float(np.abs(np.asarray(want)).max()))
-    layers.moe_mlp(p, cfg, jnp.ones((8, cfg.hidden_size), dtype), few_token_experts=few,
-                   few_token_experts_with_shared=joined)
-    assert calls == [2]  # 8 tokens: dense routed experts, einsum shared experts
+    np.testing.assert_array_equal(np.asarray(model_moe.moe_mlp(p, cfg, x, ops)), np.asarray(got))
+    calls.clear()
+    model_moe.moe_mlp(p, cfg, jnp.ones((8, cfg.hidden_size), dtype), ops)
+    assert calls == []
 
 
 # ---------------------------------------------------------------------- GPU lowering
@@ -394,7 +413,7 @@ def test_moe_experts_grouped(n, k, dtype):
     args = moe_inputs(rng, n, k, dtype, h=64, f=32)
     out = grouped.moe_experts_grouped(*args, **GROUPED_SMALL, interpret=INTERPRET)
     assert out.shape == args[0].shape and out.dtype == dtype
-    ref = layers.moe_experts_dense(*args)
+    ref = moe_ref.moe_experts_dense(*args)
     scale = float(np.abs(np.asarray(ref, np.float32)).max())
     assert scale > 0
     tol = dict(rtol=1e-5, atol=1e-5 * scale) if dtype == jnp.float32 else dict(rtol=1e-2, atol=4e-3 * scale)
@@ -410,7 +429,7 @@ def test_moe_experts_grouped_one_expert_and_defaults():
     idx = jnp.full_like(idx, 3)
     w13f, w2f = w13.astype(jnp.float32), w2.astype(jnp.float32)
     fn = jax.jit(lambda *a: grouped.moe_experts_grouped(*a, **GROUPED_SMALL, interpret=INTERPRET))
-    out, ref = fn(x, idx, weight, w13f, w2f), layers.moe_experts_dense(x, idx, weight, w13f, w2f)
+    out, ref = fn(x, idx, weight, w13f, w2f), moe_ref.moe_experts_dense(x, idx, weight, w13f, w2f)
     scale = float(np.abs(np.asarray(ref, np.float32)).max())
     close(out, ref, rtol=1e-2, atol=4e-3 * scale)
     narrow = grouped.moe_experts_grouped(x, idx, weight, w13[:, :, :24], w2[:, :12], interpret=INTERPRET)
@@ -421,14 +440,14 @@ def test_moe_experts_grouped_one_expert_and_defaults():
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 def test_moe_experts_ragged(dtype):
-    """layers.moe_experts_ragged (jax.lax.ragged_dot over the choices sorted by expert, an
+    """moe.ref.moe_experts_ragged (jax.lax.ragged_dot over the choices sorted by expert, an
     experts impl that computes only the chosen experts) is moe_experts_dense within the fp32
     products' summation order: fp32 1e-5 relative, bf16 within an ulp; an out-of-range id is
     clipped as dense clips it; jax.grad through it is dense's gradient (fp32, ids in range:
     dense's gather drops an out-of-range id's gradient)."""
     rng = np.random.default_rng(40 + (dtype == jnp.bfloat16))
     x, idx, weight, w13, w2 = moe_inputs(rng, 40, 4, dtype, h=64, f=32)
-    ragged, dense = jax.jit(layers.moe_experts_ragged), jax.jit(layers.moe_experts_dense)
+    ragged, dense = jax.jit(moe_ref.moe_experts_ragged), jax.jit(moe_ref.moe_experts_dense)
     out_of_range = idx.at[1, 2].set(E + 2)
     out, ref = ragged(x, out_of_range, weight, w13, w2), dense(x, out_of_range, weight, w13, w2)
     assert out.shape == x.shape and out.dtype == dtype
@@ -439,36 +458,45 @@ def test_moe_experts_ragged(dtype):
     close(out, ref, rtol=1e-5, atol=1e-5 * scale)
     r = rand(rng, x.shape)
     loss = lambda fn: lambda *a: jnp.sum(fn(*a) * r)
-    g = jax.jit(jax.grad(loss(layers.moe_experts_ragged), argnums=(0, 2, 3, 4)))(x, idx, weight, w13, w2)
-    g_ref = jax.jit(jax.grad(loss(layers.moe_experts_dense), argnums=(0, 2, 3, 4)))(x, idx, weight, w13, w2)
+    g = jax.jit(jax.grad(loss(moe_ref.moe_experts_ragged), argnums=(0, 2, 3, 4)))(x, idx, weight, w13, w2)
+    g_ref = jax.jit(jax.grad(loss(moe_ref.moe_experts_dense), argnums=(0, 2, 3, 4)))(x, idx, weight, w13, w2)
     for a, b in zip(g, g_ref):
         assert np.abs(np.asarray(b)).max() > 0
         close(a, b, rtol=1e-5, atol=1e-5 * float(np.abs(np.asarray(b)).max()))
 
 
-def test_moe_mlp_picks_grouped_for_many_tokens():
-    """layers.moe_mlp hands many tokens (n * k >= 8 E) to many_token_experts, fewer to dense."""
-    cfg = ik.InklingConfig.tiny()
-    p = ik.init_params(cfg, jax.random.key(0))["layers"][cfg.dense_layer_ids[-1] + 1]["mlp"]
+def routing(n, k, e, seed=0):
+    rng = np.random.default_rng(seed)
+    return (jnp.asarray(rng.integers(0, e, (n, k)), jnp.int32), jnp.asarray(rng.uniform(0.1, 1.0, (n, k)), jnp.float32))
+
+
+def test_experts_op_picks_grouped_for_many_tokens():
+    """The Pallas experts op hands many tokens (n * k >= GROUPED_MIN_CHOICES_PER_EXPERT * E,
+    E the router's: `num_experts`) to the many-token kernel, fewer to dense."""
     calls = []
 
     def spy(*a):
         calls.append(a[0].shape[0])
-        return layers.moe_experts_dense(*a)
+        return moe_ref.moe_experts_dense(*a)
 
-    need = layers.GROUPED_MIN_CHOICES_PER_EXPERT * cfg.n_routed_experts // cfg.num_experts_per_tok
+    ops = pk.ops.pallas_ops(INTERPRET, many_token_experts=spy)
+    e, k, h, f = 4, 2, 16, 8
+    w13, w2 = jnp.zeros((e, h, 2 * f)), jnp.zeros((e, f, h))
+    need = pk.ops.GROUPED_MIN_CHOICES_PER_EXPERT * e // k
     for n in (need - 1, need):
-        x = jnp.ones((n, cfg.hidden_size), jnp.float32)
-        layers.moe_mlp(p, cfg, x, many_token_experts=spy)
+        ops.experts(jnp.ones((n, h)), *routing(n, k, e), w13, w2)
     assert calls == [need]
+    calls.clear()
+    ops.experts(jnp.ones((need, h)), *routing(need, k, e), w13, w2, num_experts=2 * e)  # a mesh of 2 ep shards
+    ops.experts(jnp.ones((2 * need, h)), *routing(2 * need, k, e), w13, w2, num_experts=2 * e)
+    assert calls == [2 * need]
 
 
-def test_moe_mlp_picks_the_few_token_kernel_up_to_half_the_experts():
-    """layers.moe_mlp hands n * k <= E / 2 choices to few_token_experts (the grouped mat-vec
-    reads one expert per choice), more to dense (every expert once); without the kernel the
-    jnp slices keep their own bound (3 n k <= E)."""
-    cfg = ik.InklingConfig.tiny(n_routed_experts=16, num_experts_per_tok=2)
-    p = ik.init_params(cfg, jax.random.key(0))["layers"][cfg.dense_layer_ids[-1] + 1]["mlp"]
+def test_experts_op_picks_the_few_token_kernel_up_to_half_the_experts(monkeypatch):
+    """The Pallas experts op hands n * k <= E / 2 choices to the grouped mat-vec kernel (it reads
+    one expert per choice), more to dense (every expert once); the jnp experts keep their own
+    bound for one slice per choice (3 n k <= E)."""
+    e, k, h, f = 16, 2, 64, 32  # wide enough for the kernel's tiles (narrower: it runs the reference)
     calls = []
 
     def spy(name, fn):
@@ -477,15 +505,16 @@ def test_moe_mlp_picks_the_few_token_kernel_up_to_half_the_experts():
             return fn(*a)
         return call
 
-    monkey = {"slices": spy("slices", layers.moe_experts_slices), "dense": spy("dense", layers.moe_experts_dense)}
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(layers, "MOE_IMPLS", monkey)
-        for n in (1, 2, 3, 4, 5):
-            x = jnp.ones((n, cfg.hidden_size), jnp.float32)
-            layers.moe_mlp(p, cfg, x, few_token_experts=spy("kernel", layers.moe_experts_slices))
-            layers.moe_mlp(p, cfg, x)
-    assert calls == [("kernel", 1), ("slices", 1), ("kernel", 2), ("slices", 2), ("kernel", 3), ("dense", 3),
-                     ("kernel", 4), ("dense", 4), ("dense", 5), ("dense", 5)]
+    monkeypatch.setattr(moe_ref, "MOE_IMPLS", {"slices": spy("slices", moe_ref.moe_experts_slices),
+                                               "dense": spy("dense", moe_ref.moe_experts_dense)})
+    ops = spied_ops(monkeypatch, calls, moe_experts=moe)
+    w13, w2 = jnp.zeros((e, h, 2 * f)), jnp.zeros((e, f, h))
+    for n in (1, 2, 3, 4, 5):
+        x, idx_w = jnp.ones((n, h)), routing(n, k, e)
+        ops.experts(x, *idx_w, w13, w2)
+        pk.REFERENCE_OPS.experts(x, *idx_w, w13, w2)
+    assert calls == [("moe_experts", 1), ("slices", 1), ("moe_experts", 2), ("slices", 2), ("moe_experts", 3),
+                     ("dense", 3), ("moe_experts", 4), ("dense", 4), ("dense", 5), ("dense", 5)]
 
 
 @pytest.mark.skipif(has_cuda_device(), reason="abstract CUDA lowering is for machines without a GPU")
@@ -505,32 +534,36 @@ def test_grouped_lowers_for_gpu(verify_triton_modules):
 
 @pytest.mark.parametrize("n", [1, 2])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
-def test_shared_experts_through_the_matvec_kernel(n, dtype):
-    """layers.shared_experts with the grouped mat-vec kernel (token t through shared expert s as
+def test_shared_experts_through_the_matvec_kernel(monkeypatch, n, dtype):
+    """ref.shared_experts with the grouped mat-vec kernel (token t through shared expert s as
     row t * S + s, gamma applied before the down projection, each expert's output rounded before
-    the fp32 sum) equals the batched-einsum path; moe_mlp hands it the kernel exactly when the
-    routed experts take the few-token kernel."""
-    cfg = ik.InklingConfig.tiny(n_routed_experts=16)  # few-token experts (3 n k <= E) up to n = 2
+    the fp32 sum) equals the batched-einsum path; where the routed experts take separate calls
+    (a mesh: shared_mask given) the experts op hands it the kernel exactly when the routed
+    experts take the few-token kernel."""
+    cfg = ik.InklingConfig.tiny(n_routed_experts=16)  # few-token experts (n k <= E / 2) up to n = 4
     assert cfg.shared_expert_sink and cfg.norm_after_topk
-    p = ik.init_params(cfg, jax.random.key(1))["layers"][cfg.dense_layer_ids[-1] + 1]["mlp"]
-    p = jax.tree.map(lambda a: a.astype(dtype) if a.dtype == jnp.bfloat16 else a, p)
+    p = moe_layer(cfg, 1, dtype)
     rng = np.random.default_rng(40 + n)
     x = rand(rng, (n, cfg.hidden_size), dtype)
     gamma = jnp.asarray(rng.uniform(0.1, 1.0, (n, cfg.n_shared_experts)), jnp.float32)
     matvec = lambda *a, **kw: moe.grouped_matvec(*a, **kw, **SMALL, interpret=INTERPRET)
-    got = layers.shared_experts(p, cfg, x, gamma, matvec=matvec)
-    want = layers.shared_experts(p, cfg, x, gamma)
+    shared = (p["shared_w13"], p["shared_w2"])
+    got = moe_ref.shared_experts(x, gamma, *shared, gated=True, matvec=matvec)
+    want = moe_ref.shared_experts(x, gamma, *shared, gated=True)
     assert got.shape == (n, cfg.hidden_size) and got.dtype == jnp.float32
     scale = float(np.abs(np.asarray(want)).max())
     tol = dict(rtol=1e-5, atol=1e-5 * scale) if dtype == jnp.float32 else dict(rtol=1e-2, atol=1e-2 * scale)
     close(got, want, **tol)
 
     calls = []
-    spy = lambda *a, **kw: calls.append(a[1].shape[0]) or matvec(*a, **kw)
-    few = lambda *a: moe.moe_experts(*a, **SMALL, interpret=INTERPRET)
-    got_mlp = layers.moe_mlp(p, cfg, x, few_token_experts=few, few_token_matvec=spy)
-    assert calls == [n * cfg.n_shared_experts] * 2  # w13 and w2
-    close(got_mlp, layers.moe_mlp(p, cfg, x, few_token_experts=few), **tol)
+    ops = spied_ops(monkeypatch, calls, grouped_matvec=moe)
+    mesh = dict(gated=True, shared_mask=lambda s: s)
+    idx_w = routing(n, cfg.num_experts_per_tok, cfg.n_routed_experts)
+    got_op = ops.experts(x, *idx_w, p["w13"], p["w2"], *shared, gamma, **mesh)
+    s_ = cfg.n_shared_experts  # w13 (x's n rows read in place for their S experts each) and w2
+    assert calls == [("grouped_matvec", n), ("grouped_matvec", n * s_)]
+    close(got_op, pk.REFERENCE_OPS.experts(x, *idx_w, p["w13"], p["w2"], *shared, gamma, **mesh), **tol)
     calls.clear()
-    layers.moe_mlp(p, cfg, jnp.ones((8, cfg.hidden_size), dtype), few_token_experts=few, few_token_matvec=spy)
+    ops.experts(jnp.ones((8, cfg.hidden_size), dtype), *routing(8, 2, 16), p["w13"], p["w2"], *shared,
+                jnp.ones((8, 2)), **mesh)
     assert calls == []  # 8 tokens: the dense routed experts, the einsum shared experts

@@ -9,6 +9,8 @@ head_dim runs in Triton's order: the formula with GPU-like sum orders is checked
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -147,8 +149,8 @@ def test_gradients_match_reference():
 
 
 def test_ops_wiring():
-    assert pk.REFERENCE_OPS.qk_norm is None
-    assert pk.conv_ops(True, interpret=True).qk_norm is not None
+    assert pk.REFERENCE_OPS.qk_norm is rnorm.qk_norm
+    assert pk.conv_ops(True, interpret=True).qk_norm is not rnorm.qk_norm
 
 
 @pytest.mark.skipif(has_cuda_device(), reason="abstract CUDA lowering is for machines without a GPU")
@@ -173,12 +175,14 @@ def test_lowers_for_gpu(verify_triton_modules):
     assert len(verify_triton_modules) >= 1
 
 
-class _Ctx:
+class _Ctx(layers.LayerContext):
     """A layer context whose conv is the identity and whose attention returns q plus the
-    broadcast k and v sums (so the result depends on q, k and v): enough to run attention_block."""
+    broadcast k and v sums (so the result depends on q, k and v): enough to run attention_block.
+    qk_norm: its ops' qk_norm (default: the jnp one)."""
 
     def __init__(self, qk_norm=None):
-        self.qk_norm = qk_norm
+        if qk_norm is not None:
+            self.ops = dataclasses.replace(pk.REFERENCE_OPS, qk_norm=qk_norm)
 
     def conv(self, stream, x, weight):
         return x
@@ -189,8 +193,9 @@ class _Ctx:
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 def test_attention_block_uses_it_up_to_the_bound(monkeypatch, dtype):
-    """attention_block with `ctx.qk_norm` (q read from the fused projection) equals the block
-    without it bit for bit, and takes the kernel for at most QK_NORM_MAX_TOKENS tokens.
+    """attention_block with the Pallas `ops.qk_norm` (q read from the fused projection) equals
+    the block with the jnp one bit for bit, and takes the kernel for at most
+    `pallas_kernels.ops.QK_NORM_MAX_TOKENS` tokens.
 
     Both compiled without XLA's excess precision: by default XLA may keep the jnp norm's bf16
     result in fp32 for the ops it fuses it with (skipping a rounding that rms_norm asks for),
@@ -201,7 +206,7 @@ def test_attention_block_uses_it_up_to_the_bound(monkeypatch, dtype):
                           layers.with_kv_conv(ik.init_params(cfg, jax.random.PRNGKey(0)))["layers"][0]["attn"])
     params = {**params, "q_norm": params["q_norm"] + 0.1, "k_norm": params["k_norm"] - 0.1}
     x = jnp.asarray(np.random.RandomState(1).standard_normal((5, cfg.hidden_size)), dtype)
-    monkeypatch.setattr(layers, "QK_NORM_MAX_TOKENS", 5)
+    monkeypatch.setattr(pk.ops, "QK_NORM_MAX_TOKENS", 5)
     kernel = pk.conv_ops(True, interpret=INTERPRET).qk_norm
     block = lambda ctx: jax.jit(lambda p, x: layers.attention_block(p, cfg, geom, x, ctx))
     exact = lambda fn: fn.lower(params, x).compile(compiler_options={"xla_allow_excess_precision": False})
@@ -209,5 +214,5 @@ def test_attention_block_uses_it_up_to_the_bound(monkeypatch, dtype):
     got = exact(block(_Ctx(kernel)))(params, x)
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
     assert "qk_norm" in kernel_names(block(_Ctx(kernel)), params, x)
-    monkeypatch.setattr(layers, "QK_NORM_MAX_TOKENS", 4)
+    monkeypatch.setattr(pk.ops, "QK_NORM_MAX_TOKENS", 4)
     assert "qk_norm" not in kernel_names(block(_Ctx(kernel)), params, x)

@@ -1,5 +1,5 @@
 """The router epilogue kernel (`pallas_kernels.moe.router`) against its jnp reference and against
-`inkling_jax.model.layers.route` itself: interpret mode on CPU, the compiled Triton kernel on a
+`inkling_jax.model.moe.route` itself: interpret mode on CPU, the compiled Triton kernel on a
 GPU. Expert ids match exactly (ties to the lower index); weights within a few fp32 ulp."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 from conftest import has_cuda_device
 
 import inkling_jax as ik
-from inkling_jax.model import layers
+from inkling_jax.model import moe
 from pallas_kernels.moe import router
 
 INTERPRET = jax.default_backend() != "gpu"
@@ -126,7 +126,7 @@ def test_matches_route(cfg, n, keys):
         p["router_bias"] = rand(rng, (e,), 0.1)
         p["router_scale"] = jnp.asarray([1.25], jnp.float32)
     x = rand(rng, (n, h)).astype(jnp.bfloat16)
-    want = layers.route(p, cfg, x)
+    want = moe.route(p, cfg, x)
     logits = jnp.matmul(x.astype(jnp.float32), p["router"].astype(jnp.float32))
     got = router.router_epilogue(logits, p.get("router_bias"), p.get("router_scale"), k=k,
                                  route_scale=cfg.route_scale, num_experts=e, interpret=INTERPRET)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import traceback
+from functools import partial
 from dataclasses import dataclass
 
 import jax
@@ -18,11 +19,12 @@ import pallas_kernels as pk
 from pallas_kernels.conv_state import pallas as conv_pallas
 from pallas_kernels.conv_state import ref as conv_ref
 from pallas_kernels.conv_state.ref import PackedRows
+from pallas_kernels.moe import ref as moe_ref
 from pallas_kernels.slot_ops.ref import unit_rows
 
 from inkling_jax.cache.layout import ArenaLayout, Field
 from inkling_jax.config import InklingConfig
-from inkling_jax.model import layers as L
+
 
 from bench.kernels.timing import Timer, Timing
 
@@ -342,22 +344,23 @@ def moe_weights(s: Setup, n: int, seed: int):
 
 
 def moe_case(s: Setup, ops, n: int, rng) -> Row:
-    """Routed experts of n tokens (top-k of E): the grouped mat-vec kernel (`ops.moe_experts`)
+    """Routed experts of n tokens (top-k of E): the grouped mat-vec kernel (`moe.pallas.moe_experts`)
     against the slices path XLA runs without it (one dynamic slice + product per choice)."""
     cfg = s.cfg
     e, h, f, k = cfg.n_routed_experts, cfg.hidden_size, cfg.expert_intermediate_size, cfg.num_experts_per_tok
     w13, w2, x = moe_weights(s, n, n)
     idx = jnp.asarray(rng.permutation(e)[:n * k].reshape(n, k), jnp.int32)  # n * k distinct experts
     wt = jnp.asarray(rng.dirichlet(np.ones(k), n), jnp.float32)
-    got = jax.jit(ops.moe_experts)(x, idx, wt, w13, w2)
+    kernel = pk.moe.pallas.moe_experts if not ops.interpret else partial(pk.moe.pallas.moe_experts, interpret=True)
+    got = jax.jit(kernel)(x, idx, wt, w13, w2)
     with jax.default_matmul_precision("highest"):
-        want = jax.jit(L.moe_experts_slices)(x.astype(jnp.float32), idx, wt, w13.astype(jnp.float32),
+        want = jax.jit(moe_ref.moe_experts_slices)(x.astype(jnp.float32), idx, wt, w13.astype(jnp.float32),
                                              w2.astype(jnp.float32))
     err = float(rel_err(got, want))
     check = f"y~ {err:.1e}" if err <= 1e-2 else f"FAIL y {err:.1e}"
     op = lambda fn: lambda xx, i, w, a, b: fn(xx, i, w, a, b)
-    t_p = s.timer.timed(op(ops.moe_experts), x.copy(), (idx, wt, w13, w2))
-    t_r = s.timer.timed(op(L.moe_experts_slices), x.copy(), (idx, wt, w13, w2))
+    t_p = s.timer.timed(op(kernel), x.copy(), (idx, wt, w13, w2))
+    t_r = s.timer.timed(op(moe_ref.moe_experts_slices), x.copy(), (idx, wt, w13, w2))
     nbytes = n * k * 3 * h * f * jnp.dtype(s.dtype).itemsize  # the chosen experts' weights, once
     return Row("moe_experts (grouped mat-vec)", f"n={n} tokens, top-{k} of {e}, h={h}, f={f}", check, t_p, t_r,
                nbytes)

@@ -3,7 +3,7 @@
     python -m bench.kernels.moe_micro         a few tokens: dense (every expert), gather (w13[idx]
                                               copies), slices (dynamic slice per choice)
     python -m bench.kernels.moe_micro --many  many tokens: dense against jax.lax.ragged_dot
-                                              (layers.moe_experts_ragged) and the sorted-block grouped
+                                              (moe.ref.moe_experts_ragged) and the sorted-block grouped
                                               GEMM kernels (pallas_kernels/moe/grouped.py) per tiling
                                               (GPU); useful TFLOP/s count only the chosen experts
 """
@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from inkling_jax.config import InklingConfig
-from inkling_jax.model import layers as L
+from pallas_kernels.moe import ref as L
 
 from bench.common.helpers import median_seconds
 

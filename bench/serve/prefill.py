@@ -38,7 +38,6 @@ import numpy as np
 import inkling_jax as ik
 import pallas_kernels as pk
 from inkling_jax.engine import runner as runner_mod
-from inkling_jax.model import layers
 from inkling_jax.model.params import param_shapes
 
 from bench.common.helpers import Report, log, table
@@ -163,14 +162,13 @@ KERNELS = ("pallas", "ragged", "jnp")  # --prefill-kernels
 def prefill_kernels(kernel: str):
     """The engine's step ops for one --prefill-kernels name: "pallas" / "jnp" as use_pallas
     says; "ragged": the Pallas ops with the many-token routed experts through
-    `layers.moe_experts_ragged` (jax.lax.ragged_dot) instead of the sorted-block Pallas GEMMs
+    `pallas_kernels.moe.ref.moe_experts_ragged` (jax.lax.ragged_dot) instead of the sorted-block Pallas GEMMs
     (steps compiled inside the block, the process-wide step cache emptied on both sides)."""
     if kernel != "ragged":
         yield
         return
     pallas_ops = pk._pallas_ops
-    pk._pallas_ops = lambda interpret: dataclasses.replace(pallas_ops(interpret),
-                                                           moe_experts_many=layers.moe_experts_ragged)
+    pk._pallas_ops = lambda interpret: pk.ops.pallas_ops(interpret, many_token_experts=pk.moe.ref.moe_experts_ragged)
     runner_mod._COMPILED.clear()
     try:
         yield

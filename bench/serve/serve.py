@@ -120,7 +120,7 @@ def parse_args(argv=None):
                    "jax.lax.ragged_dot), 'jnp' (use_pallas=False); smoke: jnp")
     p.add_argument("--spec-steps", type=int, default=3, help="verify section: draft tokens per round")
     p.add_argument("--few-token-bounds", default="0.5", help="verify section: values of "
-                   "layers.FEW_TOKEN_KERNEL_CHOICES_PER_EXPERT to time the verify engine at, side by side "
+                   "pallas_kernels.ops.FEW_TOKEN_KERNEL_CHOICES_PER_EXPERT to time the verify engine at, side by side "
                    "(e.g. 0.3333,0.5: the bound before and after 9f3d57e)")
     p.add_argument("--decode-reps", type=int, default=3, help="decode section: timed runs per case (median, range)")
     p.add_argument("--prefill-reps", type=int, default=3, help="prefill section: timed runs per case (median)")
@@ -225,7 +225,7 @@ def section_decode(args, cfg, params, report: Report, bandwidth: float) -> dict:
 def section_verify(args, report: Report) -> None:
     """A verify step against a decode step in the engine loop (module docstring, verify)."""
     from inkling_jax.engine import runner as runner_mod
-    from inkling_jax.model import layers
+    from pallas_kernels import ops as kernel_bounds
 
     cfg = ik.InklingConfig.tiny() if args.smoke else ik.InklingConfig.bench()
     params = device_params(cfg, 0, jnp.float32 if args.smoke else jnp.bfloat16)
@@ -234,7 +234,7 @@ def section_verify(args, report: Report) -> None:
     rng = np.random.RandomState(4)
     v = cfg.unpadded_vocab_size
     sp = ik.SamplingParams(max_new_tokens=args.new, stop_at_eos=False)
-    default_bound = layers.FEW_TOKEN_KERNEL_CHOICES_PER_EXPERT
+    default_bound = kernel_bounds.FEW_TOKEN_KERNEL_CHOICES_PER_EXPERT
     rows = []
 
     def timed(config) -> dict:
@@ -253,11 +253,11 @@ def section_verify(args, report: Report) -> None:
         for b in [int(x) for x in args.decode_batches.split(",")]:
             prompts = [list(rng.randint(3, v, args.prompt_len)) for _ in range(b)]
             base = dataclasses.replace(bench_config(args, b, prefix=False, decode_steps=1), spec_steps=0)
-            layers.FEW_TOKEN_KERNEL_CHOICES_PER_EXPERT = default_bound
+            kernel_bounds.FEW_TOKEN_KERNEL_CHOICES_PER_EXPERT = default_bound
             d = timed(base)
             for bound in bounds:
-                # the few-token expert kernel's bound (layers.moe_mlp): steps compiled afresh
-                layers.FEW_TOKEN_KERNEL_CHOICES_PER_EXPERT = bound
+                # the few-token expert kernel's bound (pallas_kernels.ops, read at trace time): steps compiled afresh
+                kernel_bounds.FEW_TOKEN_KERNEL_CHOICES_PER_EXPERT = bound
                 runner_mod._COMPILED.clear()
                 s_ = timed(dataclasses.replace(base, spec_steps=spec))
                 runner_mod._COMPILED.clear()
@@ -269,7 +269,7 @@ def section_verify(args, report: Report) -> None:
                              f"NO: {sorted(d['digests'])} vs {sorted(s_['digests'])}"])
                 log(f"verify B={b} bound={bound}: {rows[-1]}")
     finally:
-        layers.FEW_TOKEN_KERNEL_CHOICES_PER_EXPERT = default_bound
+        kernel_bounds.FEW_TOKEN_KERNEL_CHOICES_PER_EXPERT = default_bound
         runner_mod._COMPILED.clear()
     report.add(f"### Verify step against decode step (issue 17 lever 4; {args.prompt_len}-token prompts, "
                f"{args.new} new, {'fp32' if args.smoke else 'bf16'}, random weights)\n\n"
@@ -279,7 +279,7 @@ def section_verify(args, report: Report) -> None:
                + "\n\nBoth engines: one model step per dispatch (decode_steps=1, no overlap), prefix cache off; "
                "median (range) of the timed runs' decode phase. A verify dispatch drafts with the MTP depths and "
                "checks spec_steps + 1 tokens per row. Few-token kernel bound: the verify engine's "
-               "`layers.FEW_TOKEN_KERNEL_CHOICES_PER_EXPERT` (routed experts of n tokens by the grouped mat-vec "
+               "`pallas_kernels.ops.FEW_TOKEN_KERNEL_CHOICES_PER_EXPERT` (routed experts of n tokens by the grouped mat-vec "
                f"kernel up to n * k <= bound * E, else dense; {default_bound:g} is the library's, 1/3 the bound "
                "before it). Greedy outputs equal: the plain and the speculative engines' tokens; in bf16 a "
                "verify step may round a near-tie differently (a flag to look into, not by itself a bug). "

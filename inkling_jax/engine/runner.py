@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 from pallas_kernels import conv_ops
+from pallas_kernels._common import pow2_ceil
 
 from ..cache.layout import ArenaLayout
 from ..cache.pool import UnitPool
@@ -73,10 +74,6 @@ def _zeros_probe(shape: tuple[int, ...], sharding) -> Callable:
 def pad_to(x: np.ndarray, n: int, value: int) -> np.ndarray:
     """x (1-D int32) padded with `value` to length n."""
     return np.concatenate([np.asarray(x, np.int32), np.full(n - len(x), value, np.int32)])
-
-
-def pow2_ceil(n: int) -> int:
-    return 1 << max(0, math.ceil(math.log2(max(n, 1))))
 
 
 def ladder(top: int, start: int = 1) -> list[int]:

@@ -21,8 +21,9 @@ Params = dict[str, Any]
 
 
 @dataclass
-class DenseContext:
-    """Layer context for dense [B, T] sequences starting at position 0 (no past state)."""
+class DenseContext(L.LayerContext):
+    """Layer context for dense [B, T] sequences starting at position 0 (no past state); the
+    jnp ops (`LayerContext.ops`)."""
 
     cfg: InklingConfig
     positions: Int[Array, "b t"]
@@ -50,8 +51,8 @@ def run_trunk(params: Params, cfg: InklingConfig, ctx: Any, x: Array, bind: Any 
     """The decoder layers and the final norm: the final-normed hidden states. Each layer hands
     the norm after it to the next (`decoder_layer`'s h / next_norm: the next layer's attn_norm,
     after the last the final norm), so a context that fuses a residual conv with the norm after
-    it (`LayerContext.conv_residual_norm`) computes every norm but the first inside a conv;
-    without one the ops are exactly the unfused layers'. bind(i): called before layer i (the
+    it (`LayerContext.conv_residual_norm`: the serving steps) computes every norm but the first
+    inside a conv; the default computes exactly the unfused ops. bind(i): called before layer i (the
     serving steps bind the layer's state fields)."""
     layers, eps = params["layers"], cfg.rms_norm_eps
     if not layers:

@@ -1,9 +1,11 @@
 """The layer context of the serving steps: packed ragged tokens against the serving state.
 
-`StepContext` implements `model.layers.LayerContext` (`conv`, `attend`) over one pass of
-rows (the target, or one MTP depth): each layer reads the *old* state (conv windows, sliding
-K/V rings, full-attention pages) and writes the new one into the arena it carries. Ids here
-are physical (translated once by the step); arena rows come from `cache/layout.py`.
+`StepContext` implements `model.layers.LayerContext` (`conv`, `attend`, `conv_residual_norm`)
+over one pass of rows (the target, or one MTP depth): each layer reads the *old* state (conv
+windows, sliding K/V rings, full-attention pages) and writes the new one into the arena it
+carries, through the kernel seam it is given (`ops`, a `pallas_kernels.KernelOps`: the jnp
+references or the Pallas kernels; the layers read the same `ctx.ops`). Ids here are physical
+(translated once by the step); arena rows come from `cache/layout.py`.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Int
+from pallas_kernels import KernelOps
 from pallas_kernels.conv_state import ref as conv_ref
 from pallas_kernels.conv_state.ref import PackedRows
 
@@ -22,15 +25,6 @@ from ..cache.layout import ArenaLayout, LayerSlotFields
 from ..cache.state import read_slot_field, write_slot_field
 from ..config import AttentionGeometry, InklingConfig
 from ..model import layers as L
-
-
-FUSED_ATTENTION_MIN_QUERY = 32  # query rows per row from which `ops.attention` (flash kernel) is used
-# packed tokens up to which `ops.conv_residual_norm` (one program per token row) replaces
-# conv_update + the residual add + the next norm. Decode (one token per row) and the MTP depths
-# of small batches are below it; prefill chunks above keep conv_update, whose token tiles and
-# channel blocks were tuned for many tokens (token_tile is 1 up to ~256 tokens at the bench
-# width, so the fused kernel's one token per program gives up nothing here; above, unmeasured)
-FUSED_CONV_NORM_MAX_TOKENS = 64
 
 
 @jax.tree_util.register_dataclass
@@ -47,7 +41,7 @@ class RowMeta:
     physical_track_slot: Int[Array, "b m"]  # checkpoint slots (the sink for unused columns)
 
 
-class StepContext:
+class StepContext(L.LayerContext):
     """LayerContext for packed ragged tokens against the serving state (see layers.py).
 
     Holds the arena being updated (functionally) while the layers are traced. With
@@ -66,7 +60,7 @@ class StepContext:
     key either way. Its sliding rings are checkpointed once per step, after the last layer
     (`write_ring_checkpoints`), not by a conditional in every sliding layer."""
 
-    def __init__(self, cfg: InklingConfig, layout: ArenaLayout, ops: Any, arena: Array, meta: RowMeta,
+    def __init__(self, cfg: InklingConfig, layout: ArenaLayout, ops: KernelOps, arena: Array, meta: RowMeta,
                  physical_pages: Array, deferred: bool = False, parallel: Any = None,
                  one_token_per_row: bool = False):
         self.cfg, self.layout, self.ops = cfg, layout, ops
@@ -82,13 +76,6 @@ class StepContext:
         self.positions = meta.seq_start[rows.token_row] + rows.token_offset  # [T]
         self.fields: LayerSlotFields | None = None
         self.page_layer: int | None = None
-        self.few_token_experts = ops.moe_experts  # read by layers.decoder_layer
-        self.many_token_experts = ops.moe_experts_many
-        self.few_token_matvec = ops.grouped_matvec  # also a lone token's projections (layers.attention_block)
-        # routed + shared experts of few tokens in one launch per product (layers.moe_mlp)
-        self.few_token_experts_with_shared = ops.moe_experts_with_shared
-        self.router_epilogue = ops.router_epilogue
-        self.qk_norm = ops.qk_norm  # the per-head q / k norms of few tokens (layers.attention_block)
 
     def bind(self, fields: LayerSlotFields, page_layer: int | None) -> "StepContext":
         self.fields, self.page_layer = fields, page_layer
@@ -119,23 +106,20 @@ class StepContext:
             arena, x, window, m.rows, lay.slot_row(m.physical_slot, f), lay.slot_row(m.physical_track_slot, f), **kw))
         return y
 
-    def conv_residual_norm(self, stream: str, a: Array, weight: Array, residual: Array, norm_weight: Array
-                           ) -> tuple[Array, Array]:
+    def conv_residual_norm(self, stream: str, a: Array, weight: Array, residual: Array, norm_weight: Array,
+                           eps: float) -> tuple[Array, Array]:
         """(x, h) with x = residual + conv(stream, a) and h = rms_norm(x, norm_weight) (read by
-        `layers.residual_conv_norm`): one `ops.conv_residual_norm` kernel where the ops have it,
-        the writes are not deferred (verify keeps conv + queued writes) and the step has at most
-        FUSED_CONV_NORM_MAX_TOKENS tokens; else `conv`, the add and `layers.rms_norm`."""
-        eps = self.cfg.rms_norm_eps
-        op = self.ops.conv_residual_norm
-        if op is None or self.deferred or a.shape[0] > FUSED_CONV_NORM_MAX_TOKENS:
-            x = residual + self.conv(stream, a, weight)
-            return x, L.rms_norm(x, norm_weight, eps)
+        `layers.decoder_layer`): `ops.conv_residual_norm` (on the Pallas ops one kernel on
+        few-token steps), unless the writes are deferred (verify: `conv` with its queued
+        writes, the add and the norm)."""
+        if self.deferred:
+            return super().conv_residual_norm(stream, a, weight, residual, norm_weight, eps)
         with jax.named_scope(f"conv_{stream}_norm"):
             lay, f = self.layout, self.fields.conv
-            x, h, self.arena = op(self.arena, a, weight, self.meta.rows, lay.slot_row(self.meta.physical_slot, f),
-                                  lay.slot_row(self.meta.physical_track_slot, f), residual, norm_weight, eps=eps,
-                                  window_shape=f.shape, channels=self.fields.channels(stream),
-                                  sink_rows=lay.sink_rows)
+            x, h, self.arena = self.ops.conv_residual_norm(
+                self.arena, a, weight, self.meta.rows, lay.slot_row(self.meta.physical_slot, f),
+                lay.slot_row(self.meta.physical_track_slot, f), residual, norm_weight, eps=eps, window_shape=f.shape,
+                channels=self.fields.channels(stream), sink_rows=lay.sink_rows)
             return x, h
 
     # -- attention
@@ -153,40 +137,31 @@ class StepContext:
             q_idx = meta.rows.row_tokens
             qp, kp, vp, rp = q[q_idx], k[q_idx], v[q_idx], r[q_idx]
 
-        ops, lay = self.ops, self.layout
-        in_place = ops.ring_attention if geom.is_sliding else ops.paged_attention
-        old_ring = None  # the sliding ring before this step, where it was read
-        if in_place is not None and qn < FUSED_ATTENTION_MIN_QUERY:
-            # decode / verify: the kernels read the ring or the pages in place from the arena and
-            # compute the bias of just the keys they visit from r and rel_proj, and the log
-            # scaling from tau (rounded as attention_tables rounds them): no [B, Q, H, E] table
-            if geom.log_scaling:
-                tau = L.log_scaling_tau(q_pos, self.cfg)  # the same in every layer: XLA computes it once
-            else:
-                tau = jnp.ones(q_pos.shape, jnp.float32)
-            if geom.is_sliding:
-                out = in_place(qp, rp, rel_proj, tau, kp, vp, q_pos, q_valid, self.arena,
-                               lay.slot_row(meta.physical_slot, self.fields.ring), meta.seq_start,
-                               meta.rows.has_state, ring=lay.ring, window=geom.window)
-            else:
-                out = in_place(qp, rp, rel_proj, tau, kp, vp, q_pos, q_valid, self.arena,
-                               lay.page_row(self.physical_pages, self.arena.shape[0], self.page_layer),
-                               meta.seq_start, page_size=lay.page_size, window=geom.window)
+        lay = self.layout
+        # the bias from r and rel_proj, the log scaling from tau (rounded as attention_tables
+        # rounds them): the decode kernels compute just the visited keys' bias in the kernel
+        if geom.log_scaling:
+            tau = L.log_scaling_tau(q_pos, self.cfg)  # the same in every layer: XLA computes it once
         else:
-            if geom.is_sliding:
-                ctx_k, ctx_v, ctx_pos, ctx_valid, old_ring = self._ring_keys(geom)
-            else:
-                ctx_k, ctx_v, ctx_pos, ctx_valid = self._page_keys(geom)
-            if ops.attention is not None and qn >= FUSED_ATTENTION_MIN_QUERY:
-                # one key set (context, then the step's own tokens) through the flash kernel
-                qs, rel = L.attention_tables(qp, rp, rel_proj, q_pos, geom, self.cfg)
-                out = ops.attention(qs, jnp.concatenate([ctx_k.astype(kp.dtype), kp], axis=1),
-                                    jnp.concatenate([ctx_v.astype(vp.dtype), vp], axis=1), rel, q_pos,
-                                    jnp.concatenate([ctx_pos, q_pos], axis=1),
-                                    jnp.concatenate([ctx_valid, q_valid], axis=1), window=geom.window)
-            else:
-                out = L.attention_core(qp, (ctx_k, kp), (ctx_v, vp), rp, rel_proj, q_pos, (ctx_pos, q_pos),
-                                       (ctx_valid, q_valid), geom, self.cfg)
+            tau = jnp.ones(q_pos.shape, jnp.float32)
+        # the ops read the context keys in place (the decode kernels) or call `context` for them
+        # (the jnp ops, the flash kernel's gather); the sliding ring read here is also the old
+        # ring the writes below start from
+        read = {}
+        if geom.is_sliding:
+            def context():
+                *keys, read["ring"] = self._ring_keys(geom)
+                return tuple(keys)
+
+            out = self.ops.ring_attention(qp, rp, rel_proj, tau, kp, vp, q_pos, q_valid, self.arena,
+                                          lay.slot_row(meta.physical_slot, self.fields.ring), meta.seq_start,
+                                          meta.rows.has_state, ring=lay.ring, window=geom.window, context=context)
+        else:
+            out = self.ops.paged_attention(qp, rp, rel_proj, tau, kp, vp, q_pos, q_valid, self.arena,
+                                           lay.page_row(self.physical_pages, self.arena.shape[0], self.page_layer),
+                                           meta.seq_start, page_size=lay.page_size, window=geom.window,
+                                           context=lambda: self._page_keys(geom))
+        old_ring = read.get("ring")  # the sliding ring before this step, where it was read
 
         if geom.is_sliding:
             f = self.fields.ring

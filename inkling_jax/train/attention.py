@@ -41,8 +41,9 @@ def toeplitz_bias(rel: Float[Array, "... t e"], t: int) -> Float[Array, "... t t
 
 
 @dataclass
-class SequenceContext:
-    """Layer context for whole windows: tokens at positions 0..T-1 in every row, no padding."""
+class SequenceContext(L.LayerContext):
+    """Layer context for whole windows: tokens at positions 0..T-1 in every row, no padding;
+    the jnp ops (`LayerContext.ops`)."""
 
     cfg: InklingConfig
     seq_len: int

@@ -105,7 +105,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jaxtyping import Array, Bool, Float, Int
 
-from .._common import INT32_MAX, pallas_call, with_ref_vjp
+from .._common import INT32_MAX, pallas_call, pow2_ceil, with_ref_vjp
 from . import decode_ref
 
 BK = 64  # ring rows per key block
@@ -119,10 +119,6 @@ MIN_BLOCK = 16  # Triton dots need every dimension >= 16
 MAX_QUERIES = 16  # Q per row at most (the new keys are one block of 16)
 MAX_ROWS = 128  # group * Q at most (rows of the query tile)
 MAX_REL_RANK = 64  # dr at most: the bias sum is unrolled over dr
-
-
-def _pow2_ceil(n: int) -> int:
-    return 1 << max(int(n) - 1, 0).bit_length()
 
 
 def _is_pow2(n: int) -> bool:
@@ -175,7 +171,7 @@ def _decode_call(q, r, rel_proj, tau, k_new, v_new, q_pos, q_valid, arena, unit_
     wt = 2 * nkv * hd
     per_unit = arena.shape[1] // wt
     rows_m = group * nq
-    mp = max(MIN_BLOCK, _pow2_ceil(rows_m))
+    mp = max(MIN_BLOCK, pow2_ceil(rows_m))
     nk_new = MIN_BLOCK  # the new keys: one block (Q <= 16)
     paged = ring is None
     if paged:
@@ -183,7 +179,7 @@ def _decode_call(q, r, rel_proj, tau, k_new, v_new, q_pos, q_valid, arena, unit_
         nblocks = unit_row.shape[1]
         max_blocks = _max_live(window, nblocks * page_size, blk, nblocks)
     else:
-        blk = max(MIN_BLOCK, min(bk, _pow2_ceil(ring)))
+        blk = max(MIN_BLOCK, min(bk, pow2_ceil(ring)))
         nblocks = -(-ring // blk)
         max_blocks = _max_live(window, ring, blk, nblocks) + (1 if window is not None else 0)
         max_blocks = min(max_blocks, nblocks)
@@ -356,7 +352,7 @@ def combine_splits_kernel(acc: Float[Array, "B S Q H D"], m: Float[Array, "B S Q
     b, ns, nq, h, hd = acc.shape
     if not (_is_pow2(hd) and ns > 0 and b * nq * h > 0):
         return combine_splits(acc, m, l).astype(out_dtype)
-    sp_pad = max(MIN_BLOCK, _pow2_ceil(ns))
+    sp_pad = max(MIN_BLOCK, pow2_ceil(ns))
 
     def kernel(acc_ref, m_ref, l_ref, o_ref):
         hh, qi, bi = pl.program_id(0), pl.program_id(1), pl.program_id(2)

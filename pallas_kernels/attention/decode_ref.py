@@ -1,11 +1,12 @@
-"""Decode / verify attention against the serving arena: the jnp reference (the oracle of
-`decode.py`'s kernels, same signatures without the tuning arguments).
+"""A serving step's attention against the arena in jnp: what the CPU serves for every step
+(`pallas_kernels.REFERENCE_OPS.ring_attention / paged_attention`) and the oracle of `decode.py`'s
+kernels (same signatures without `context` and the tuning arguments).
 
     ring_attention(q, r, rel_proj, tau, k_new, v_new, q_pos, q_valid, arena, ring_unit_row,
-                   seq_start, has_state, *, ring, window) -> out [B, Q, H, hd] in q's dtype
+                   seq_start, has_state, *, ring, window, context=None) -> out [B, Q, H, hd] in q's dtype
     paged_attention(q, r, rel_proj, tau, k_new, v_new, q_pos, q_valid, arena, page_unit_row,
-                    seq_start, *, page_size, window=None) -> out [B, Q, H, hd]
-    tables(q, r, rel_proj, tau) -> (q * tau, rel [B, Q, H, E]) in q's dtype
+                    seq_start, *, page_size, window=None, context=None) -> out [B, Q, H, hd]
+    tables(q, r, rel_proj, tau) -> (q * tau, rel [B, Q, H, E]) in q's dtype (`ref.tables`)
 
     q              [B, Q, H, hd]      queries (RMS-normed, not yet tau-scaled)
     r              [B, Q, H, dr]      the queries' relative-bias inputs
@@ -28,22 +29,27 @@
                                       [p*ps, (p+1)*ps)), each a row-major [ps, 2, nkv, hd]
                                       array in one unit; context position j valid iff
                                       j < seq_start[b] (unused columns: any row, masked)
+    context        None, or a function returning the row's context keys (k, v [B, C, nkv, hd],
+                                      pos [B, C], valid [B, C]) as `ring_keys` / `page_keys` read
+                                      them: the caller's reader (`StepContext._ring_keys`), used
+                                      instead of reading the arena here
 
 The bias and the log scaling are rounded as `layers.attention_tables` rounds them (`tables`):
 rel = (r @ rel_proj) accumulated in fp32, rounded to q's dtype, times tau in fp32, rounded
-again; q times tau in fp32, rounded (tau = 1.0 changes nothing). This is exactly what
-`inkling_jax.steps.context.StepContext.attend` computed before the kernels (the context
-gathered by `_ring_keys` / `_page_keys`, the new keys concatenated after it) with the scores
-of `ref.attention` (= `layers.attention_core`).
+again; q times tau in fp32, rounded (tau = 1.0 changes nothing). The scores are `ref.attention`'s
+(`layers.attention_core`'s) over two key blocks, the context then the new keys.
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from ..slot_ops.ref import read_field
 from . import ref
+from .ref import tables
 
 
 def ring_keys(arena: Array, ring_unit_row: Int[Array, "B"], seq_start: Int[Array, "B"], has_state: Bool[Array, "B"],
@@ -69,48 +75,46 @@ def page_keys(arena: Array, page_unit_row: Int[Array, "B P"], seq_start: Int[Arr
     return kv[:, :, 0], kv[:, :, 1], pos, valid
 
 
-def tables(q: Float[Array, "B Q H D"], r: Float[Array, "B Q H R"], rel_proj: Float[Array, "R E"],
-           tau: Float[Array, "B Q"]) -> tuple[Array, Array]:
-    """(q * tau, rel [B, Q, H, E]) in q's dtype, rounded as `layers.attention_tables` rounds them."""
-    dtype = q.dtype
-    rel = jnp.einsum("bqhr,re->bqhe", r, rel_proj.astype(r.dtype), preferred_element_type=jnp.float32).astype(dtype)
-    t = tau.astype(jnp.float32)[:, :, None, None]
-    return (q.astype(jnp.float32) * t).astype(dtype), (rel.astype(jnp.float32) * t).astype(dtype)
-
-
-def _attend(q, rel, k_new, v_new, q_pos, q_valid, ctx_k, ctx_v, ctx_pos, ctx_valid, window):
+def attend(q: Float[Array, "B Q H D"], r: Float[Array, "B Q H R"], rel_proj: Float[Array, "R E"],
+           tau: Float[Array, "B Q"], k_new: Array, v_new: Array, q_pos: Int[Array, "B Q"], q_valid: Bool[Array, "B Q"],
+           keys: tuple[Array, Array, Array, Array], *, window: int | None) -> Float[Array, "B Q H D"]:
+    """The queries against the context keys `keys` (k, v, pos, valid) and their own new keys:
+    two key blocks of `ref.attention`, the tables from r, rel_proj and tau."""
+    ctx_k, ctx_v, ctx_pos, ctx_valid = keys
     q_pos = q_pos.astype(jnp.int32)
-    k = jnp.concatenate([ctx_k.astype(k_new.dtype), k_new], axis=1)
-    v = jnp.concatenate([ctx_v.astype(v_new.dtype), v_new], axis=1)
-    k_pos = jnp.concatenate([ctx_pos, q_pos], axis=1)
-    k_valid = jnp.concatenate([ctx_valid, q_valid.astype(bool)], axis=1)
-    return ref.attention(q, k, v, rel, q_pos, k_pos, k_valid, window=window)
+    qs, rel = tables(q, r, rel_proj, tau)
+    return ref.attention(qs, (ctx_k, k_new), (ctx_v, v_new), rel, q_pos, (ctx_pos, q_pos),
+                         (ctx_valid, q_valid.astype(bool)), window=window)
 
 
 def ring_attention(q: Float[Array, "B Q H D"], r: Float[Array, "B Q H R"], rel_proj: Float[Array, "R E"],
                    tau: Float[Array, "B Q"], k_new: Float[Array, "B Q Hkv D"],
                    v_new: Float[Array, "B Q Hkv D"], q_pos: Int[Array, "B Q"], q_valid: Bool[Array, "B Q"],
                    arena: Array, ring_unit_row: Int[Array, "B"], seq_start: Int[Array, "B"],
-                   has_state: Bool[Array, "B"], *, ring: int, window: int | None) -> Float[Array, "B Q H D"]:
-    """Sliding layers: the row's ring (read from the arena) plus the new keys. See the module docstring."""
+                   has_state: Bool[Array, "B"], *, ring: int, window: int | None,
+                   context: Callable | None = None) -> Float[Array, "B Q H D"]:
+    """Sliding layers: the row's ring (read from the arena, or by `context`) plus the new keys.
+    See the module docstring."""
     nkv, hd = k_new.shape[2], k_new.shape[3]
-    ctx = ring_keys(arena, ring_unit_row, seq_start, has_state, ring=ring, nkv=nkv, hd=hd)
-    return _attend(*tables(q, r, rel_proj, tau), k_new, v_new, q_pos, q_valid, *ctx, window)
+    keys = context() if context is not None else ring_keys(arena, ring_unit_row, seq_start, has_state, ring=ring,
+                                                           nkv=nkv, hd=hd)
+    return attend(q, r, rel_proj, tau, k_new, v_new, q_pos, q_valid, keys, window=window)
 
 
 def paged_attention(q: Float[Array, "B Q H D"], r: Float[Array, "B Q H R"], rel_proj: Float[Array, "R E"],
                     tau: Float[Array, "B Q"], k_new: Float[Array, "B Q Hkv D"],
                     v_new: Float[Array, "B Q Hkv D"], q_pos: Int[Array, "B Q"], q_valid: Bool[Array, "B Q"],
                     arena: Array, page_unit_row: Int[Array, "B P"], seq_start: Int[Array, "B"], *, page_size: int,
-                    window: int | None = None) -> Float[Array, "B Q H D"]:
-    """Full layers: the row's pages (read from the arena) plus the new keys. `page_size` must
-    be the tokens of one unit (unit_elems == page_size * 2 * nkv * hd); see the module docstring."""
+                    window: int | None = None, context: Callable | None = None) -> Float[Array, "B Q H D"]:
+    """Full layers: the row's pages (read from the arena, or by `context`) plus the new keys.
+    `page_size` must be the tokens of one unit (unit_elems == page_size * 2 * nkv * hd); see
+    the module docstring."""
     nkv, hd = k_new.shape[2], k_new.shape[3]
     if arena.shape[1] != page_size * 2 * nkv * hd:
         raise ValueError(f"a unit of {arena.shape[1]} elements is not one page of {page_size} tokens "
                          f"x 2 x {nkv} x {hd}")
-    ctx = page_keys(arena, page_unit_row, seq_start, nkv=nkv, hd=hd)
-    return _attend(*tables(q, r, rel_proj, tau), k_new, v_new, q_pos, q_valid, *ctx, window)
+    keys = context() if context is not None else page_keys(arena, page_unit_row, seq_start, nkv=nkv, hd=hd)
+    return attend(q, r, rel_proj, tau, k_new, v_new, q_pos, q_valid, keys, window=window)
 
 
-__all__ = ["page_keys", "paged_attention", "ring_attention", "ring_keys", "tables"]
+__all__ = ["attend", "page_keys", "paged_attention", "ring_attention", "ring_keys", "tables"]

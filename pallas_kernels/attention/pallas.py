@@ -88,7 +88,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jaxtyping import Array, Bool, Float, Int
 
-from .._common import INT32_MAX, pallas_call, with_ref_vjp
+from .._common import INT32_MAX, pallas_call, pow2_ceil, with_ref_vjp
 from . import ref
 
 # H200, bench prefill shapes (bench/kernels/attention_micro.py): 128 x 128 tiles with 8 warps ran
@@ -113,14 +113,10 @@ def default_bk(nq_tok: int, window: int | None) -> int:
     return SLIDING_LONG_BK if window is not None and nq_tok >= SLIDING_LONG_QUERIES else BK
 
 
-def _pow2_ceil(n: int) -> int:
-    return 1 << max(int(n) - 1, 0).bit_length()
-
-
 def _block(size: int, block: int) -> int:
     if block < MIN_BLOCK or block & (block - 1):
         raise ValueError(f"block sizes must be powers of two >= {MIN_BLOCK}, not {block}")
-    return max(MIN_BLOCK, min(block, _pow2_ceil(size)))
+    return max(MIN_BLOCK, min(block, pow2_ceil(size)))
 
 
 def live_blocks(q_pos: Int[Array, "B Qp"], k_pos: Int[Array, "B Kp"], k_valid: Bool[Array, "B Kp"],

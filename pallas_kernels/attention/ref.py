@@ -1,12 +1,19 @@
-"""Inkling attention with a relative-position bias: the jnp reference (the Pallas kernel mirrors it).
+"""Inkling attention with a relative-position bias in jnp: the model's attention math (what the
+CPU serves: `inkling_jax.model.layers.attention_core` is `tables` + `attention`) and the oracle,
+the fallback and the backward of the flash kernel (`pallas.py`).
 
     attention(q, k, v, rel, q_pos, k_pos, k_valid, *, window) -> out [B, Q, H, D] in q's dtype
+    tables(q, r, rel_proj, tau=None) -> (q * tau, rel [B, Q, H, E]) in q's dtype
 
     q        [B, Q, H, D]    queries (the caller has RMS-normed them and, on log-scaling layers,
-                             multiplied them by tau)
-    k, v     [B, K, Hkv, D]  keys and values; H % Hkv == 0, query head h reads kv head h // (H // Hkv)
-    rel      [B, Q, H, E]    relative-bias table (the caller has tau-scaled it): the bias of a key at
-                             distance d = q_pos - k_pos is rel[b, q, h, d] for 0 <= d < E, else 0
+                             multiplied them by tau: `tables`)
+    k, v     [B, K, Hkv, D]  keys and values; H % Hkv == 0, query head h reads kv head h // (H // Hkv);
+                             or tuples of key blocks [B, K_i, Hkv, D] (e.g. the cached context
+                             and the step's own tokens: the scores are concatenated, not the
+                             much larger keys and values), k_pos / k_valid likewise
+    rel      [B, Q, H, E]    relative-bias table (`tables`: r @ rel_proj, tau-scaled): the bias of
+                             a key at distance d = q_pos - k_pos is rel[b, q, h, d] for
+                             0 <= d < E, else 0
     q_pos    [B, Q] int32    query positions
     k_pos    [B, K] int32    key positions, in any order (a sliding-window ring is not sorted);
                              anything (negative too) for invalid keys
@@ -17,11 +24,9 @@
     products accumulated in fp32; the bias value is rel's element, in rel's dtype, as fp32);
     allowed = k_valid & (d >= 0) & (window is None or d < window); softmax over the allowed
     keys in fp32; the probabilities are rounded to q's dtype and out = sum_j p * v accumulated
-    in fp32, cast to q's dtype. A query with no allowed key gives zeros.
-
-This is `inkling_jax.model.layers.attention_core` for a single key block with the bias table
-and tau applied by the caller (the kernel package does not import the library; the tests
-check the two agree). It materialises the fp32 scores [B, H, Q, K] and the gathered bias.
+    in fp32 (per key block, the blocks' sums added in order), cast to q's dtype. A query with
+    no allowed key gives zeros. It materialises the fp32 scores [B, H, Q, K] and the gathered
+    bias.
 """
 
 from __future__ import annotations
@@ -31,48 +36,62 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 
-def allowed_mask(q_pos: Int[Array, "B Q"], k_pos: Int[Array, "B K"], k_valid: Bool[Array, "B K"],
-                 window: int | None) -> tuple[Array, Array]:
-    """(allowed [B, Q, K] bool, d [B, Q, K] int32 = q_pos - k_pos)."""
-    d = q_pos.astype(jnp.int32)[:, :, None] - k_pos.astype(jnp.int32)[:, None, :]
-    allowed = k_valid.astype(bool)[:, None, :] & (d >= 0)
-    if window is not None:
-        allowed = allowed & (d < window)
-    return allowed, d
-
-
-def attention(q: Float[Array, "B Q H D"], k: Float[Array, "B K Hkv D"], v: Float[Array, "B K Hkv D"],
-              rel: Float[Array, "B Q H E"], q_pos: Int[Array, "B Q"], k_pos: Int[Array, "B K"],
-              k_valid: Bool[Array, "B K"], *, window: int | None) -> Float[Array, "B Q H D"]:
-    """See the module docstring."""
+def tables(q: Float[Array, "B Q H D"], r: Float[Array, "B Q H R"], rel_proj: Float[Array, "R E"],
+           tau: Float[Array, "B Q"] | None = None) -> tuple[Array, Array]:
+    """(q * tau, rel = (r @ rel_proj) * tau) in q's dtype: rel accumulated in fp32 and rounded to
+    q's dtype, then both times tau in fp32 and rounded again (tau None: neither scaled)."""
     dtype = q.dtype
-    b, nq, h, dh = q.shape
-    hkv = k.shape[2]
-    if h % hkv:
-        raise ValueError(f"query heads {h} not a multiple of kv heads {hkv}")
-    g = h // hkv
+    rel = jnp.einsum("bqhr,re->bqhe", r, rel_proj.astype(r.dtype), preferred_element_type=jnp.float32).astype(dtype)
+    if tau is None:
+        return q, rel
+    t = tau.astype(jnp.float32)[:, :, None, None]
+    return (q.astype(jnp.float32) * t).astype(dtype), (rel.astype(jnp.float32) * t).astype(dtype)
+
+
+def attention(q: Float[Array, "B Q H D"], k: Float[Array, "B K Hkv D"] | tuple[Array, ...],
+              v: Float[Array, "B K Hkv D"] | tuple[Array, ...], rel: Float[Array, "B Q H E"], q_pos: Int[Array, "B Q"],
+              k_pos: Int[Array, "B K"] | tuple[Array, ...], k_valid: Bool[Array, "B K"] | tuple[Array, ...], *,
+              window: int | None) -> Float[Array, "B Q H D"]:
+    """See the module docstring."""
+    if not isinstance(k, tuple):
+        k, v, k_pos, k_valid = (k,), (v,), (k_pos,), (k_valid,)
+    dtype = q.dtype
+    b, tq, nh, hd = q.shape
+    nkv = k[0].shape[2]
+    if nh % nkv:
+        raise ValueError(f"query heads {nh} not a multiple of kv heads {nkv}")
+    group = nh // nkv
     e = rel.shape[-1]
-    kr = jnp.repeat(k, g, axis=2)  # [B, K, H, D]: head h reads kv head h // g
-    vr = jnp.repeat(v, g, axis=2)
+    qg = q.reshape(b, tq, nkv, group, hd)
 
-    allowed, d = allowed_mask(q_pos, k_pos, k_valid, window)  # [B, Q, K]
-    idx = jnp.broadcast_to(jnp.clip(d, 0, e - 1)[:, :, None, :], (b, nq, h, d.shape[-1]))
-    bias = jnp.take_along_axis(rel, idx, axis=-1).astype(jnp.float32)  # [B, Q, H, K]
-    bias = jnp.where(((d >= 0) & (d < e))[:, :, None, :], bias, 0.0)
+    scores, masks = [], []
+    for kb, pb, vb in zip(k, k_pos, k_valid):
+        dist = q_pos[:, :, None] - pb[:, None, :]  # [b, tq, tk]
+        in_extent = (dist >= 0) & (dist < e)
+        gather_idx = jnp.clip(dist, 0, e - 1)
+        bias = jnp.take_along_axis(rel, jnp.broadcast_to(gather_idx[:, :, None, :], (b, tq, nh, dist.shape[-1])),
+                                   axis=-1)
+        bias = jnp.where(in_extent[:, :, None, :], bias, jnp.zeros((), rel.dtype))  # [b, tq, nh, tk]
+        allowed = vb[:, None, :] & (dist >= 0)
+        if window is not None:
+            allowed = allowed & (dist < window)
+        sc = jnp.einsum("bqngd,bknd->bngqk", qg, kb, preferred_element_type=jnp.float32) * (1.0 / hd)
+        scores.append(sc + bias.astype(jnp.float32).reshape(b, tq, nkv, group, -1).transpose(0, 2, 3, 1, 4))
+        masks.append(allowed[:, None, None, :, :])
+    sizes = [sc.shape[-1] for sc in scores]
+    scores = jnp.concatenate(scores, axis=-1)
+    mask = jnp.concatenate(masks, axis=-1)
+    scores = jnp.where(mask, scores, -jnp.inf)
+    any_valid = jnp.any(mask, axis=-1, keepdims=True)
+    scores = jnp.where(any_valid, scores, 0.0)
+    probs = jnp.where(mask, jax.nn.softmax(scores, axis=-1), 0.0).astype(dtype)
+    out = None
+    start = 0
+    for vb, n in zip(v, sizes):
+        part = jnp.einsum("bngqk,bknd->bqngd", probs[..., start:start + n], vb, preferred_element_type=jnp.float32)
+        out = part if out is None else out + part
+        start += n
+    return out.astype(dtype).reshape(b, tq, nh, hd)
 
-    s = jnp.einsum("bqhd,bkhd->bhqk", q, kr, preferred_element_type=jnp.float32,
-                   precision=jax.lax.Precision.HIGHEST) * (1.0 / dh)
-    s = s + bias.transpose(0, 2, 1, 3)
-    mask = allowed[:, None, :, :]  # [B, 1, Q, K]
-    s = jnp.where(mask, s, -jnp.inf)
-    m = jnp.max(s, axis=-1, keepdims=True)
-    m = jnp.where(jnp.isfinite(m), m, 0.0)  # rows with no allowed key: exp(-inf) = 0 everywhere
-    p = jnp.exp(s - m)
-    den = jnp.sum(p, axis=-1, keepdims=True)
-    p = jnp.where(den > 0, p / jnp.where(den > 0, den, 1.0), 0.0).astype(dtype)
-    out = jnp.einsum("bhqk,bkhd->bqhd", p, vr, preferred_element_type=jnp.float32,
-                     precision=jax.lax.Precision.HIGHEST)
-    return out.astype(dtype)
 
-
-__all__ = ["allowed_mask", "attention"]
+__all__ = ["attention", "tables"]

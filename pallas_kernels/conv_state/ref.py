@@ -20,8 +20,9 @@ windows of several streams side by side (channel ranges; one op touches only its
 m-th checkpoint field.
 
 `conv_update_residual_norm` is `conv_update` followed by the decoder layer's residual add and
-the next RMSNorm (`inkling_jax.model.layers.decoder_layer`: x + conv(a), then rms_norm), the
-composition its kernel fuses.
+the next RMSNorm (`inkling_jax.model.layers.decoder_layer`: x + conv(a), then `_common.rms_norm`),
+the composition its kernel fuses. `conv_from_taps` is the model's conv arithmetic too
+(`layers.causal_conv` calls it).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
+from .._common import rms_norm
 from ..slot_ops.ref import read_field, write_field
 
 
@@ -118,15 +120,6 @@ def conv_update(arena: Array, x: Float[Array, "t c"], weight: Float[Array, "k c"
     y = conv_tokens(x, weight, window, rows)
     return y, conv_write(arena, x, window, rows, active_row, track_row, window_shape=window_shape,
                          channels=channels, sink_rows=sink_rows)
-
-
-def rms_norm(x: Float[Array, "... d"], weight: Float[Array, "d"], eps: float) -> Float[Array, "... d"]:
-    """x / sqrt(mean(x^2) + eps) * weight in fp32, returned in x's dtype: the formula of
-    `inkling_jax.model.layers.rms_norm`, op for op (this package imports nothing of the library;
-    tests/test_conv_norm_kernel.py checks the two agree bit for bit)."""
-    xf = x.astype(jnp.float32)
-    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return (weight.astype(x.dtype) * xf.astype(x.dtype)).astype(x.dtype)
 
 
 def residual_norm(y: Float[Array, "t c"], residual: Float[Array, "t c"], norm_weight: Float[Array, "c"],

@@ -9,7 +9,7 @@ blocks, then grouped GEMMs that read only the chosen experts.
     grouped_matmul(x_blocks, block_expert, w) -> y [P, F]        x @ w[expert of the block]
 
 Why. With hundreds of tokens every expert is chosen by many of them, and the model's jnp
-MoE for many tokens (`layers.moe_experts_dense`) evaluates all E experts for every token:
+MoE for many tokens (`ref.moe_experts_dense`) evaluates all E experts for every token:
 E / k = 8 times the useful work of the bench model (on the H200 it was 71 ms of a 135 ms
 8 x 1024-token extend step). `jax.lax.ragged_dot` would be the library's answer, but XLA's
 GPU lowering of it computes every group densely too.

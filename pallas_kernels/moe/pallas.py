@@ -8,7 +8,7 @@
         `ref.moe_experts`' signature and semantics (x [n, h], idx / weight [n, k],
         w13 [E, h, 2f] gate | up halves, w2 [E, f, h])
     moe_experts_with_shared(x, idx, weight, w13, w2, shared_w13, shared_w2, gamma, *, gated)
-        -> [n, h] in x's dtype: `ref.moe_experts_with_shared` (moe_experts plus the S shared
+        -> [n, h] in x's dtype: `ref.experts` with shared experts (moe_experts plus the S shared
         experts, shared_w13 [S, h, 2f], shared_w2 [S, f, h], gamma [n, S] the sink weights
         applied when `gated`), the routed and shared rows of each product in one launch
 
@@ -48,7 +48,7 @@ Shapes. tf and bh are powers of two (Triton's block shapes must be): the kernel 
 tf' = min(tf, largest power of two dividing F) and bh' = min(bh, largest power of two
 dividing h). Where tf' or bh' would fall below `MIN_TILE` (F or h with a small power-of-two
 factor), or for empty / malformed inputs, the functions fall back to the references
-(`ref.grouped_matvec`, `ref.moe_experts`); there is no masking.
+(`ref.grouped_matvec`, `ref.moe_experts`, `ref.experts`); there is no masking.
 
 `moe_experts` flattens the choices to m = n * k rows (row t * k + j is token t, choice j; x
 read per choice with x_repeat = k) and computes gu = grouped_matvec(x, idx, w13), act = (silu(gate) *
@@ -70,7 +70,7 @@ loads compute its rows of act themselves (the act prologue of `_partials`: the p
 sum over S_up in order, SwiGLU, the shared rows times their gamma (the routed rows times 1.0:
 exact), rounded to x's dtype), so no launch sits between the two products; the combine
 (routed weighted sum in choice order, rounded to x's dtype, + the fp32 sum of the shared rows
-rounded to x's dtype, -> x's dtype, as `layers.moe_mlp` adds `layers.shared_experts`): one
+rounded to x's dtype, -> x's dtype, as `ref.experts` adds `ref.shared_experts`): one
 fusion. Where today's engine took clip + repeat + routed gate|up + shared repeat + shared
 gate|up + two activations + two downs + two combines, this is 2 launches + 1 fusion. The
 split count S of each product is moe_experts' for the n * k routed rows, so the routed rows'
@@ -263,7 +263,7 @@ def _expert_outputs(y_part: Array, splits: int, dtype, n: int) -> Array:
 
 def _routed_sum(y: Array, weight: Array) -> Array:
     """sum_j weight[t, j] * y[t, j] over a token's k routed rows (the first k of its G), fp32,
-    in choice order (as ref.combine_choices sums)."""
+    in choice order (as ref.moe_experts sums)."""
     wt = weight.astype(jnp.float32)
     acc = jnp.zeros((y.shape[0], y.shape[-1]), jnp.float32)
     for j in range(weight.shape[1]):
@@ -272,9 +272,10 @@ def _routed_sum(y: Array, weight: Array) -> Array:
 
 
 def _moe_kernel(x, idx, weight, w13, w2, up, down, num_warps: int, interpret: bool) -> Array:
-    """moe_experts' forward (its own VJP covers both products): `ref.combine_choices` with the
-    activation in the down product's loads (`_partials`' act prologue) instead of a launch of
-    its own between the two. up / down: the products' plans (tf', bh', splits)."""
+    """moe_experts' forward (its own VJP covers both products): the choices flattened to
+    n * k rows, both products through `_partials`, the activation in the down product's loads
+    (its act prologue) instead of a launch of its own between the two, the weighted sum in
+    choice order. up / down: the products' plans (tf', bh', splits)."""
     n, k = idx.shape
     flat = idx.reshape(n * k).astype(jnp.int32)
     gu_part = _partials(x, flat, w13, *up, num_warps, interpret, x_repeat=k)  # [n * k, S_up, 2f] fp32
@@ -325,7 +326,7 @@ def _joined_kernel(x, idx, weight, w13, w2, shared_w13, shared_w2, gamma, gated:
     y_part = _partials(gu_part, flat, w2, *down, num_warps, interpret, w_extra=shared_w2, group=g,
                        act_dtype=x.dtype, mult=mult)
     y = _expert_outputs(y_part, down[2], x.dtype, n)  # [n, G, h] fp32
-    routed = _routed_sum(y, weight).astype(x.dtype).astype(jnp.float32)  # moe_experts' dtype, then moe_mlp's add
+    routed = _routed_sum(y, weight).astype(x.dtype).astype(jnp.float32)  # moe_experts' dtype, then experts' add
     return (routed + jnp.sum(y[:, k:], axis=1)).astype(x.dtype)
 
 
@@ -334,8 +335,8 @@ def moe_experts_with_shared(x: Float[Array, "n h"], idx: Int[Array, "n k"], weig
                             *, gated: bool, tf: int = TF, bh: int = BH, splits: int | None = None,
                             num_warps: int = NUM_WARPS, target_programs: int = TARGET_PROGRAMS,
                             interpret: bool = False) -> Float[Array, "n h"]:
-    """`ref.moe_experts_with_shared` (same signature and semantics: moe_experts plus the shared
-    experts, added as `layers.moe_mlp` adds them) with the routed AND shared rows of each
+    """`ref.experts` with shared experts (the same math: moe_experts plus the shared experts,
+    added in fp32 and rounded once) with the routed AND shared rows of each
     product in one grouped mat-vec launch; backward: the reference's VJP. The contracting
     splits default to moe_experts' own for the n * k routed rows (routed rows bit for bit
     moe_experts'); see the module docstring."""
@@ -347,7 +348,7 @@ def moe_experts_with_shared(x: Float[Array, "n h"], idx: Int[Array, "n k"], weig
           and w13.shape[1] == h and w2.shape[1:] == (two_f // 2, h) and w2.shape[0] == w13.shape[0]
           and shared_w13.shape[1:] == w13.shape[1:] and shared_w2.shape[1:] == w2.shape[1:]
           and shared_w13.shape[0] == shared_w2.shape[0] > 0 and (not gated or gamma.shape == (n, shared_w13.shape[0])))
-    ref_fn = lambda *a: ref.moe_experts_with_shared(*a, gated=gated)
+    ref_fn = lambda *a: ref.experts(*a, gated=gated)
     args = (x, idx, weight, w13, w2, shared_w13, shared_w2, gamma)
     sizes = dict(tf=tf, bh=bh, splits=splits, target_programs=target_programs)
     up = _plan(n * k, h, two_f, **sizes) if ok else None

@@ -1,5 +1,7 @@
-"""Pallas kernel for the epilogue of the MoE router: sigmoid scores, biased top-k selection and
-the sink-normalised weights of `inkling_jax.model.layers.route`, in one launch.
+"""The epilogue of the MoE router (`inkling_jax.model.moe.route` after its matmul): the scores,
+the biased top-k selection and the (sink-)normalised weights. `router_epilogue_ref` in jnp,
+every config (what the CPU serves, `pallas_kernels.REFERENCE_OPS.router_epilogue`), and
+`router_epilogue`, the sigmoid + norm_after_topk case in one Pallas launch.
 
     router_epilogue(logits, bias, scale, *, k, route_scale) -> (idx, w, gamma)
         logits [n, E+S] f32: x @ router (computed by XLA), the E routed experts' columns then
@@ -13,9 +15,10 @@ the sink-normalised weights of `inkling_jax.model.layers.route`, in one launch.
 
 E is bias.shape[0], or the keyword `num_experts` (required when bias is None); S = width - E
 (S = 0 gives gamma [n, 0] and weights normalised over the k selected experts alone).
-`router_epilogue_ref` is the same computation in jnp, written from `route`; the kernel is
-tested against it and against `route` itself, and the public function falls back to it for
-n == 0 or malformed shapes.
+`router_epilogue_ref(..., gate="sigmoid", norm_after_topk=True)` is the same computation in
+jnp (with gate="softmax" or norm_after_topk=False also the model's other routers); the kernel
+is tested against it and against `route` itself, and falls back to it for n == 0 or
+malformed shapes.
 
 Why. After the router matmul, XLA's GPU code runs route's epilogue as ~5 small kernels per
 layer (sigmoid + bias, the top-k, the gather of the selected logits, the concatenate /
@@ -67,12 +70,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 from jaxtyping import Array, Float, Int
 
-from .._common import pallas_call
-
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(int(n) - 1, 0).bit_length()
+from .._common import pallas_call, pow2_ceil
 
 
 def _num_experts(width: int, bias, num_experts: int | None) -> int:
@@ -90,26 +88,41 @@ def default_block_rows(n: int, width: int) -> int:
 
 def default_num_warps(block_rows: int, width: int) -> int:
     """Warps per program: 1 up to 512 tile values, 2 below 2048, then 4."""
-    elems = block_rows * _next_pow2(width)
+    elems = block_rows * pow2_ceil(width)
     return 1 if elems <= 512 else 2 if elems < 2048 else 4
 
 
 def router_epilogue_ref(logits: Float[Array, "n w"], bias: Float[Array, "e"] | None, scale: Float[Array, "1"] | None,
-                        *, k: int, route_scale: float, num_experts: int | None = None
+                        *, k: int, route_scale: float, num_experts: int | None = None, gate: str = "sigmoid",
+                        norm_after_topk: bool = True
                         ) -> tuple[Int[Array, "n k"], Float[Array, "n k"], Float[Array, "n s"]]:
-    """`route`'s epilogue in jnp (sigmoid gate, norm_after_topk, shared-expert sink)."""
+    """The router after its matmul, fp32: (topk_idx [n, k], topk_weight [n, k], gamma [n, S]).
+
+    Selection by the sigmoid (gate "sigmoid") or softmax ("softmax") scores of the E routed
+    experts plus the selection bias; with norm_after_topk the weights renormalise over the
+    selected routed experts *and* the S sink columns after them (gamma: the sinks' weights),
+    else they are the selected scores (gamma [n, 0]); everything times route_scale * scale."""
     e = _num_experts(logits.shape[-1], bias, num_experts)
+    s = logits.shape[-1] - e
     logits = logits.astype(jnp.float32)
     routed = logits[:, :e]
-    scores = jax.nn.sigmoid(routed)
+    scores = jax.nn.sigmoid(routed) if gate == "sigmoid" else jax.nn.softmax(routed, axis=-1)
     choice = scores + bias.astype(jnp.float32) if bias is not None else scores
     _, idx = lax.top_k(choice, k)
-    sel = jnp.take_along_axis(routed, idx, axis=-1)
-    a = jnp.concatenate([sel, logits[:, e:]], axis=-1)
-    ls = jax.nn.log_sigmoid(a)
-    w = jnp.exp(ls - jax.nn.logsumexp(ls, axis=-1, keepdims=True))
+    if norm_after_topk:
+        sel = jnp.take_along_axis(routed, idx, axis=-1)
+        a = jnp.concatenate([sel, logits[:, e:]], axis=-1) if s else sel
+        if gate == "sigmoid":
+            ls = jax.nn.log_sigmoid(a)
+            w = jnp.exp(ls - jax.nn.logsumexp(ls, axis=-1, keepdims=True))
+        else:
+            w = jax.nn.softmax(a, axis=-1)
+    else:
+        w = jnp.take_along_axis(scores, idx, axis=-1)
+        s = 0
     w = w * route_scale * scale.astype(jnp.float32) if scale is not None else w * route_scale
-    return idx, w[:, :k], w[:, k:]
+    gamma = w[:, k:] if s else jnp.zeros((logits.shape[0], 0), jnp.float32)
+    return idx, w[:, :k], gamma
 
 
 def _log_sigmoid(a):
@@ -212,7 +225,7 @@ def router_epilogue(logits: Float[Array, "n w"], bias: Float[Array, "e"] | None,
         num_warps = default_num_warps(block_rows, width)
 
     kernel = lambda *refs: _kernel(*refs, n=n, e=e, s=s, k=k, route_scale=route_scale, br=block_rows,
-                                   p=_next_pow2(width), kp=_next_pow2(k), sp=_next_pow2(max(s, 1)),
+                                   p=pow2_ceil(width), kp=pow2_ceil(k), sp=pow2_ceil(max(s, 1)),
                                    has_bias=bias is not None, has_scale=scale is not None)
     out_shape = [jax.ShapeDtypeStruct((n, k), jnp.int32), jax.ShapeDtypeStruct((n, k), jnp.float32)]
     if s:

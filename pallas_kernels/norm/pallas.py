@@ -42,14 +42,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 from jaxtyping import Array, Float
 
-from .._common import INT32_MAX, pallas_call, with_ref_vjp
+from .._common import INT32_MAX, pallas_call, pow2_ceil, with_ref_vjp
 from . import ref
 
 MAX_ROW_ELEMS = 32768  # (P_q + P_k) * hd values of one program at most (registers)
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(int(n) - 1, 0).bit_length()
 
 
 def default_num_warps(row_elems: int) -> int:
@@ -60,7 +56,7 @@ def default_num_warps(row_elems: int) -> int:
 
 def _norm_heads(x_ref, w_ref, o_ref, t, n: int, hd: int, eps: float) -> None:
     """Row t's first n heads of x_ref [T, W] normed into o_ref [T, n * hd] (one [P, hd] tile)."""
-    p = _next_pow2(n)
+    p = pow2_ceil(n)
     if p == n:
         x = x_ref[t, pl.ds(0, n * hd)]
     else:
@@ -100,11 +96,11 @@ def qk_norm(q: Float[Array, "t wq"], kv: Float[Array, "t wk"], q_weight: Float[A
     See the module docstring (layouts, exactness, fallback)."""
     nh, nkv, hd, eps = int(num_heads), int(num_kv_heads), int(head_dim), float(eps)
     kw = dict(num_heads=nh, num_kv_heads=nkv, head_dim=hd, eps=eps)
-    row_elems = (_next_pow2(nh) + _next_pow2(nkv)) * hd
+    row_elems = (pow2_ceil(nh) + pow2_ceil(nkv)) * hd
     ok = (q.ndim == 2 and kv.ndim == 2 and q.shape[0] == kv.shape[0] > 0 and nh > 0 and nkv > 0
           and hd > 0 and hd & (hd - 1) == 0 and q.shape[1] >= nh * hd and kv.shape[1] >= nkv * hd
           and q_weight.shape == (hd,) and k_weight.shape == (hd,) and row_elems <= MAX_ROW_ELEMS
-          and q.shape[0] * max(q.shape[1], kv.shape[1], _next_pow2(nh) * hd, _next_pow2(nkv) * hd) <= INT32_MAX)
+          and q.shape[0] * max(q.shape[1], kv.shape[1], pow2_ceil(nh) * hd, pow2_ceil(nkv) * hd) <= INT32_MAX)
     if not ok:
         return ref.qk_norm(q, kv, q_weight, k_weight, **kw)
     if num_warps is None:

@@ -1,4 +1,5 @@
-"""Reference (jnp) of the per-head q / k RMSNorms of `inkling_jax.model.layers.attention_block`.
+"""The per-head q / k RMSNorms of `inkling_jax.model.layers.attention_block` in jnp: what the
+CPU serves (`pallas_kernels.REFERENCE_OPS.qk_norm`) and the oracle of `pallas.qk_norm`.
 
     qk_norm(q, kv, q_weight, k_weight, *, num_heads, num_kv_heads, head_dim, eps)
         -> (q_normed [T, nh, hd], k_normed [T, nkv, hd])
@@ -10,23 +11,16 @@
         q_weight, k_weight [hd]: the norms' weights (any float dtype; cast to x's dtype)
         q_normed  rms_norm of each q head, q's dtype; k_normed likewise, kv's dtype
 
-`rms_norm` is `layers.rms_norm` op for op (this package imports nothing of the library;
-tests/test_qk_norm_kernel.py checks the two agree bit for bit): fp32 math, the normalised
-value rounded to x's dtype, then times the weight (rounded to x's dtype) in x's dtype.
+`rms_norm` is `pallas_kernels._common.rms_norm`, the model's norm (`layers.rms_norm` is the same
+function): fp32 math, the normalised value rounded to x's dtype, then times the weight
+(rounded to x's dtype) in x's dtype.
 """
 
 from __future__ import annotations
 
-import jax
-import jax.numpy as jnp
 from jaxtyping import Array, Float
 
-
-def rms_norm(x: Float[Array, "... d"], weight: Float[Array, "d"], eps: float) -> Float[Array, "... d"]:
-    """x / sqrt(mean(x^2) + eps) * weight in fp32, returned in x's dtype (`layers.rms_norm`)."""
-    xf = x.astype(jnp.float32)
-    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return (weight.astype(x.dtype) * xf.astype(x.dtype)).astype(x.dtype)
+from .._common import rms_norm
 
 
 def qk_norm(q: Float[Array, "t wq"], kv: Float[Array, "t wk"], q_weight: Float[Array, "hd"],
