@@ -76,7 +76,8 @@ def modes(draw) -> dict:
                 pool=draw(st.sampled_from(["unified", "static"])), max_running=max_running, chunk_size=chunk,
                 max_step_tokens=max(chunk, max_running, draw(st.sampled_from([4, 16, 32]))), page_size=page_size,
                 track_interval=interval, num_slots=draw(st.integers(4, 24)), num_pages=draw(st.integers(24, 96)),
-                min_context_bucket=16, max_step_checkpoints=draw(st.integers(1, 4)))
+                min_context_bucket=16, max_step_checkpoints=draw(st.integers(1, 4)),
+                evict_policy=draw(st.sampled_from(["lru", "lfu", "deepest"])))
 
 
 def run_ops(engine: FakeEngine, rng: np.random.RandomState, num_ops: int) -> Counter:

@@ -7,13 +7,18 @@ so a match reports the deepest node *with a checkpoint*; the request then restor
 slot into its own slot (copy-on-write inside its first step) and reads the path's pages.
 
 All ids are virtual. Nodes on a path in use are locked (`lock_ref`); eviction removes
-unlocked leaves in LRU order and returns their pages and slot to the caller.
+unlocked leaves in the order of an eviction policy (`EVICT_POLICIES`: least recently used by
+default) and returns their pages and slot to the caller. Evictable leaves wait in a heap keyed
+by the policy (stale entries are skipped when popped), so a victim costs O(log n), not a scan
+of the tree.
 """
 
 from __future__ import annotations
 
+import heapq
 import itertools
 from dataclasses import dataclass, field
+from typing import Callable
 
 
 @dataclass(eq=False)
@@ -25,7 +30,18 @@ class Node:
     children: dict[tuple[int, ...], "Node"] = field(default_factory=dict)
     checkpoint: int | None = None  # virtual slot holding the state at `depth`
     lock_ref: int = 0
-    last_used: int = 0
+    last_used: int = 0  # clock of the last lock or insert through this node
+    hits: int = 0  # requests admitted reading through this node (a prefix hit at or below it)
+    version: int = 0  # bumped whenever its eviction priority may change (heap entries are checked)
+    removed: bool = False
+
+
+# Eviction policies: a key per evictable leaf, the smallest evicted first.
+EVICT_POLICIES: dict[str, Callable[[Node], tuple]] = {
+    "lru": lambda n: (n.last_used,),  # least recently used
+    "lfu": lambda n: (n.hits, n.last_used),  # fewest hits, then least recently used
+    "deepest": lambda n: (-n.depth, n.last_used),  # longest prefixes first: shared short ones stay
+}
 
 
 @dataclass
@@ -36,10 +52,25 @@ class Match:
 
 
 class PrefixTree:
-    def __init__(self, page_size: int):
+    def __init__(self, page_size: int, evict_policy: str = "lru"):
+        if evict_policy not in EVICT_POLICIES:
+            raise ValueError(f"evict_policy must be one of {sorted(EVICT_POLICIES)}, got {evict_policy!r}")
         self.page_size = page_size
         self.root = Node((), [], None, 0)
         self._clock = itertools.count(1)
+        self._priority = EVICT_POLICIES[evict_policy]
+        self._heap: list[tuple[tuple, int, int, Node]] = []  # (priority, seq, node version, node)
+        self._seq = itertools.count()
+
+    def _touched(self, node: Node) -> None:
+        """node's priority or evictability may have changed: invalidate its heap entries and,
+        if it is an evictable leaf now, push it with its current priority."""
+        node.version += 1
+        if self._is_evictable_leaf(node):
+            heapq.heappush(self._heap, (self._priority(node), next(self._seq), node.version, node))
+
+    def _is_evictable_leaf(self, node: Node) -> bool:
+        return node is not self.root and not node.removed and not node.children and node.lock_ref == 0
 
     # ----------------------------------------------------------------- queries
 
@@ -78,12 +109,22 @@ class PrefixTree:
         while node is not None:
             node.lock_ref += 1
             node.last_used = t
+            node.version += 1  # locked: its heap entries are stale
             node = node.parent
 
     def unlock(self, node: Node) -> None:
         while node is not None:
             assert node.lock_ref > 0, "prefix tree: unlock of an unlocked node"
             node.lock_ref -= 1
+            if node.lock_ref == 0:
+                self._touched(node)
+            node = node.parent
+
+    def record_hit(self, node: Node) -> None:
+        """A request was admitted reading the path to `node` (its prefix hit)."""
+        while node is not None and node is not self.root:
+            node.hits += 1
+            self._touched(node)
             node = node.parent
 
     # ------------------------------------------------------------------ insert
@@ -115,7 +156,9 @@ class PrefixTree:
             pos += len(child.tokens)
             node = child
             node.last_used = t
+            self._touched(node)
         node.last_used = t
+        self._touched(node)
         dup_slots = []
         if checkpoint is not None:
             if node.checkpoint is None and node is not self.root:
@@ -129,7 +172,7 @@ class PrefixTree:
         ps = self.page_size
         cut = n_pages * ps
         upper = Node(node.tokens[:cut], node.pages[:n_pages], node.parent, node.depth - len(node.tokens) + cut,
-                     lock_ref=node.lock_ref, last_used=node.last_used)
+                     lock_ref=node.lock_ref, last_used=node.last_used, hits=node.hits)
         node.parent.children[self._key(node.tokens)] = upper
         node.tokens, node.pages, node.parent = node.tokens[cut:], node.pages[n_pages:], upper
         upper.children[self._key(node.tokens)] = node
@@ -138,25 +181,41 @@ class PrefixTree:
     # ---------------------------------------------------------------- eviction
 
     def evict(self, need_slots: int = 0, need_pages: int = 0) -> tuple[list[int], list[int]]:
-        """Remove unlocked leaves, least recently used first, until the freed slots and pages
-        cover the need (or nothing is evictable). Returns (pages, slots) to free."""
+        """Remove unlocked leaves in the policy's order until the freed slots and pages cover
+        the need (or nothing is evictable). Returns (pages, slots) to free.
+
+        The capacity contract (`Admission.session_holdings`, `never_fits`): eviction frees only
+        unlocked leaves, and the checkpoint-less parents they leave behind; whatever a lock
+        pins (every node on a locked path) stays. A policy chooses *which* unlocked leaf goes
+        first, never makes a pinned entry evictable: a change to what can be evicted must
+        change what `session_holdings` counts as pinned, and the other way round."""
         freed_pages, freed_slots = [], []
         while len(freed_slots) < need_slots or len(freed_pages) < need_pages:
-            leaves = [n for n in self._nodes() if not n.children and n.lock_ref == 0 and n is not self.root]
-            if not leaves:
+            victim = self._pop_victim()
+            if victim is None:
                 break
-            victim = min(leaves, key=lambda n: n.last_used)
             while True:  # a parent left childless without a checkpoint is dead weight: it goes too
                 freed_pages += victim.pages
                 if victim.checkpoint is not None:
                     freed_slots.append(victim.checkpoint)
                 parent = victim.parent
                 del parent.children[self._key(victim.tokens)]
+                victim.removed = True
                 if parent is self.root or parent.children or parent.checkpoint is not None or parent.lock_ref:
                     break
                 victim = parent
             self._merge_up(parent)
+            if not parent.removed:
+                self._touched(parent)  # perhaps a leaf now
         return freed_pages, freed_slots
+
+    def _pop_victim(self) -> Node | None:
+        """The evictable leaf the policy ranks first (stale heap entries are dropped)."""
+        while self._heap:
+            _, _, version, node = heapq.heappop(self._heap)
+            if version == node.version and self._is_evictable_leaf(node):
+                return node
+        return None
 
     def _merge_up(self, node: Node) -> None:
         """A checkpoint-less, unlocked node left with one child merges into it."""
@@ -167,6 +226,7 @@ class PrefixTree:
         child.pages = node.pages + child.pages
         child.parent = node.parent
         node.parent.children[self._key(node.tokens)] = child
+        node.removed = True
 
     def evictable(self) -> tuple[int, int]:
         """(slots, pages) that eviction could free now (unlocked subtrees)."""
@@ -218,6 +278,7 @@ class PrefixTree:
             assert n.parent.children.get(self._key(n.tokens)) is n, "parent link broken"
             assert n.lock_ref >= 0
             assert n.children or n.checkpoint is not None or n.lock_ref > 0, "leaf without a checkpoint"
+            assert not n.removed, "a removed node is still in the tree"
 
 
 def _common_pages(a, b, page_size: int) -> int:

@@ -59,7 +59,8 @@ class Admission:
         return got_s, got_p
 
     def evict_for(self, slots: int, pages: int) -> None:
-        """Evict LRU tree leaves until `slots` and `pages` fit (or nothing is left)."""
+        """Evict tree leaves (in the tree's policy order) until `slots` and `pages` fit (or
+        nothing is left)."""
         while not self.pool.can_alloc(slots, pages):
             ev_pages, ev_slots = self.tree.evict(need_slots=1 if slots else 0, need_pages=1 if pages else 0)
             if not ev_pages and not ev_slots:
@@ -141,6 +142,7 @@ class Admission:
             held.prefix_node = match.node
             held.committed = depth
             r.virtual_cow_slot = match.node.checkpoint
+            self.tree.record_hit(match.node)
             r.cached = depth
             self.stats["cache_hit_tokens"] += depth
         r.held = held

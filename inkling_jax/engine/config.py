@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 
+from ..cache.prefix_tree import EVICT_POLICIES
 from ..steps import DEFAULT_MAX_STOP_IDS
 
 
@@ -23,6 +24,7 @@ class EngineConfig:
     track_interval: int = 64  # checkpoint cadence in tokens (a multiple of page_size)
     max_step_checkpoints: int = 4  # checkpoints one request writes in one extend step (more: the chunk is cut)
     ping_pong: str = "eager"  # or "lazy"
+    evict_policy: str = "lru"  # prefix-cache eviction order: "lru", "lfu" (fewest hits) or "deepest"
     spec_steps: int = 0  # MTP draft tokens per round (0 = off)
     decode_steps: Any = "auto"  # model steps per decode dispatch, a device loop ("auto": 8 on GPU/TPU, 1 on CPU)
     overlap: Any = "auto"  # dispatch the next decode before reading the last (True / False / "auto": on GPU/TPU
@@ -62,6 +64,8 @@ class EngineConfig:
             need(isinstance(getattr(self, name), bool), f"{name} must be True or False, got {getattr(self, name)!r}")
         need(self.pool in ("unified", "static"), f"pool must be 'unified' or 'static', got {self.pool!r}")
         need(self.ping_pong in ("eager", "lazy"), f"ping_pong must be 'eager' or 'lazy', got {self.ping_pong!r}")
+        need(self.evict_policy in EVICT_POLICIES,
+             f"evict_policy must be one of {sorted(EVICT_POLICIES)}, got {self.evict_policy!r}")
         need(isinstance(self.overlap, bool) or self.overlap == "auto",
              f"overlap must be True, False or 'auto', got {self.overlap!r}")
         need(not (self.overlap is True and self.spec_steps), "overlap needs spec_steps=0 (verify steps are not overlapped)")

@@ -129,7 +129,7 @@ class Engine:
         self.pool = UnitPool(num_units, lay.slot_units, lay.page_units, unified=config.pool == "unified",
                              lazy=config.ping_pong == "lazy", num_slots=config.num_slots,
                              num_pages=config.num_pages)
-        self.tree = PrefixTree(config.page_size) if config.prefix_cache else None
+        self.tree = PrefixTree(config.page_size, config.evict_policy) if config.prefix_cache else None
         self._stats = dict(steps=0, extend_steps=0, decode_steps=0, cache_hit_tokens=0, verify_steps=0,
                            verify_rows=0, accepted_draft_tokens=0, generated_tokens=0, prompt_tokens=0,
                            evicted_slots=0, evicted_pages=0, deferred=0, skipped_checkpoints=0,

@@ -1,0 +1,1 @@
+"""Host-side policy costs (no device): eviction from the prefix cache."""
