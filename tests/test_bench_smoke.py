@@ -23,7 +23,7 @@ from inkling_jax.steps import check_batch, pack_batch
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench"
-SUBJECTS = ("common", "kernels", "decode", "serve", "profile", "check")
+SUBJECTS = ("common", "kernels", "decode", "serve", "profile", "check", "host")
 # sys.path edited in code: a call on it, an item or slice assigned, `+=` or `=`; or a site dir added
 SYS_PATH_EDIT = re.compile(r"\bsys\.path\s*(\.\s*(insert|append|extend|remove|pop|clear)\s*\(|\[[^\]]*\]\s*=(?!=)|\+=|=(?!=))"
                            r"|\bsite\.addsitedir\b")
@@ -73,10 +73,10 @@ def test_decode_rows_pack_into_each_shape():
         rows = [ids.row(r, 5 * r, np.arange(per_row) + 3, shape) for r in range(n)]
         batch = pack_batch(shape, rows)
         check_batch(batch, shape)
-        assert batch.virtual_slot[:n].tolist() == [r + 1 for r in range(n)]
-        assert batch.has_state[:n].tolist() == [r > 0 for r in range(n)]
+        assert batch.slots.virtual_slot[:n].tolist() == [r + 1 for r in range(n)]
+        assert batch.layout.has_state[:n].tolist() == [r > 0 for r in range(n)]
         # every row's page table covers the shape's pages, each row its own pages, none the sink
-        pages = batch.virtual_pages[:n]
+        pages = batch.slots.virtual_pages[:n]
         assert pages.shape[1] == shape.pages and (pages > 0).all() and len(np.unique(pages)) == pages.size
         assert pages.max() <= ids.num_pages
 

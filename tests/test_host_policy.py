@@ -192,7 +192,7 @@ def test_fake_catches_a_wrong_copy_on_write():
     prompt = list(range(10, 30))
     engine.generate([prompt, list(range(50, 70))], ik.SamplingParams(max_new_tokens=2))
     r = engine.submit([prompt + [3]], ik.SamplingParams(max_new_tokens=2))[0]
-    engine.admission.admit_waiting(engine.waiting)
+    engine.requests.admit_waiting()
     other = engine.tree.match(list(range(50, 70)), max_depth=16).node.checkpoint
     assert r.virtual_cow_slot and other and other != r.virtual_cow_slot
     r.virtual_cow_slot = other

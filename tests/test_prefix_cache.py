@@ -155,7 +155,7 @@ def test_restored_windows_are_bit_exact(trunk_params, ping_pong):
 
     # a hit copies it into the new request's own slot inside its first step
     req2 = engine.submit([prompt], ik.SamplingParams(max_new_tokens=1, stop_at_eos=False))[0]
-    engine.admission.admit_waiting(engine.waiting)
+    engine.requests.admit_waiting()
     assert req2.virtual_cow_slot == match.node.checkpoint and req2.held.virtual_slot != req2.virtual_cow_slot
     drain(engine)
     engine.check_invariants()
@@ -199,7 +199,7 @@ def test_admission_needs_and_rollback(trunk_params):
     for ping_pong, need in (("eager", 3), ("lazy", 2)):
         engine = make_engine(trunk_params, pool="static", num_slots=need, ping_pong=ping_pong)
         req = engine.submit([[5, 6, 7]], sp)[0]
-        engine.admission.admit_waiting(engine.waiting)
+        engine.requests.admit_waiting()
         assert engine.running == [req] and engine.pool.live_count("slot") == need
         assert (req.held.virtual_track_slots[1] == -1) == (ping_pong == "lazy")
 
@@ -208,11 +208,11 @@ def test_admission_needs_and_rollback(trunk_params):
     assert engine.pool.live_count("slot") >= 1
     before = (engine.pool.live_count("slot"), engine.pool.live_count("page"), engine.tree.owned())
     blocker = engine.submit([[1, 2, 3]], sp)[0]
-    engine.admission.admit_waiting(engine.waiting)  # needs 3 slots: evicts the tree's checkpoints to get them
+    engine.requests.admit_waiting()  # needs 3 slots: evicts the tree's checkpoints to get them
     assert engine.running == [blocker] and engine.stats()["evicted_slots"] >= 1
     waiter = engine.submit([[4, 5, 6]], sp)[0]
     live = (engine.pool.live_count("slot"), engine.pool.live_count("page"))
-    engine.admission.admit_waiting(engine.waiting)  # nothing left to evict: deferred, nothing taken
+    engine.requests.admit_waiting()  # nothing left to evict: deferred, nothing taken
     assert engine.waiting == [waiter] and engine.stats()["deferred"] == 1
     assert (engine.pool.live_count("slot"), engine.pool.live_count("page")) == live
     engine.check_invariants()
@@ -326,7 +326,7 @@ def test_unified_holds_what_no_static_split_can(trunk_params):
             engine.submit(prompts, sp)
         except ValueError:
             return False  # longer than this split can ever hold
-        engine.admission.admit_waiting(engine.waiting)
+        engine.requests.admit_waiting()
         return len(engine.running) == len(prompts)
 
     unified = make_engine(trunk_params, pool="unified", **kw)

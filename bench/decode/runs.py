@@ -59,7 +59,7 @@ def _steps(fn, params, state, batch, n: int):
     out = None
     for _ in range(n):
         out, state = fn(params, state, batch)
-        batch = dataclasses.replace(batch, tokens=out.tokens)
+        batch = dataclasses.replace(batch, layout=dataclasses.replace(batch.layout, tokens=out.tokens))
     return out, state, batch
 
 

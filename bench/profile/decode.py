@@ -63,7 +63,7 @@ def traced_steps(fn, params, state, batch, trace_dir: str, n: int = 10):
     with jax.profiler.trace(trace_dir):
         for _ in range(n):
             out, state = fn(params, state, batch)
-            batch = dataclasses.replace(batch, tokens=out.tokens)
+            batch = dataclasses.replace(batch, layout=dataclasses.replace(batch.layout, tokens=out.tokens))
         jax.block_until_ready((out, state))
     return state
 

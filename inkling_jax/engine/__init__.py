@@ -3,5 +3,8 @@
 from .config import EngineConfig, SamplingParams
 from .engine import Engine
 from .records import Completion, Request, Resources, Session
+from .requests import Requests
+from .stats import EngineStats
 
-__all__ = ["Completion", "Engine", "EngineConfig", "Request", "Resources", "SamplingParams", "Session"]
+__all__ = ["Completion", "Engine", "EngineConfig", "EngineStats", "Request", "Requests", "Resources", "SamplingParams",
+           "Session"]

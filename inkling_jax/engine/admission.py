@@ -12,28 +12,35 @@ prefix tree, a session, or a running request (`Engine.check_invariants`).
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ..cache.pool import PoolExhausted, UnitPool
 from ..cache.prefix_tree import PrefixTree
 from .config import EngineConfig
 from .records import Request, Resources, Session
+from .stats import EngineStats
+
+if TYPE_CHECKING:
+    from .requests import Requests
 
 
 class Admission:
-    def __init__(self, config: EngineConfig, pool: UnitPool, tree: PrefixTree | None, stats: dict[str, Any]):
-        self.config, self.pool, self.tree, self.stats = config, pool, tree, stats
+    """Capacity: allocation with eviction, admission of one request, and what can never fit.
+    `requests` (the lifecycle owner, `requests.py`) is read for the running requests'
+    reservations and the open sessions; admission itself changes no list."""
+
+    def __init__(self, config: EngineConfig, pool: UnitPool, tree: PrefixTree | None, stats: EngineStats,
+                 requests: "Requests"):
+        self.config, self.pool, self.tree, self.stats, self.requests = config, pool, tree, stats, requests
         # the state's slot, plus its checkpoint slots (eager: both ping-pong slots at once)
         tracks = (2 if config.ping_pong == "eager" else 1) if tree is not None else 0
         self.slots_per_request = 1 + tracks
-        self.running: list[Request] = []
-        self.sessions: dict[int, Session] = {}  # open sessions by id (their state counts against capacity)
 
     def pages_for(self, length: int) -> int:
         return math.ceil(length / self.config.page_size)
 
     def outstanding_reservations(self) -> int:
-        return sum(r.held.reserved_pages for r in self.running)
+        return sum(r.held.reserved_pages for r in self.requests.running)
 
     # ---------------------------------------------------------------- allocation
 
@@ -66,8 +73,8 @@ class Admission:
             if not ev_pages and not ev_slots:
                 return
             self.free(ev_slots, ev_pages)
-            self.stats["evicted_pages"] += len(ev_pages)
-            self.stats["evicted_slots"] += len(ev_slots)
+            self.stats.evicted_pages += len(ev_pages)
+            self.stats.evicted_slots += len(ev_slots)
 
     def evict_all(self) -> None:
         """Drop every unlocked prefix-cache entry."""
@@ -144,7 +151,7 @@ class Admission:
             r.virtual_cow_slot = match.node.checkpoint
             self.tree.record_hit(match.node)
             r.cached = depth
-            self.stats["cache_hit_tokens"] += depth
+            self.stats.cache_hit_tokens += depth
         r.held = held
         return True
 
@@ -169,43 +176,6 @@ class Admission:
         held.reserved_pages = total_pages
         r.held, r.session.held = held, None
         return True
-
-    def admit_waiting(self, waiting: list[Request]) -> list[Request]:
-        """Admit queued requests in order while rows are free; a request that must wait holds
-        up the ones behind it while others run (they will free room). With nothing running,
-        a request is admitted whenever `never_fits` says it fits (with a shallower cached
-        prefix, or none, if its deepest one pins too much); one that does not is given up: it
-        leaves the queue with `error` set (a session turn behind it needs no new room). A last
-        guard: should nothing run and nothing be admitted all the same (accounting that
-        disagrees with `never_fits`: a bug), every waiting request is given up rather than
-        waited on forever. Returns the given-up requests."""
-        given_up = []
-        i = 0
-        while i < len(waiting) and len(self.running) < self.config.max_running:
-            r = waiting[i]
-            if self.admit(r, shallower=not self.running):
-                waiting.pop(i)
-                self.running.append(r)
-                continue
-            self.stats["deferred"] += 1
-            if self.running:
-                break
-            problem = self.never_fits(r)
-            if problem:
-                waiting.pop(i)
-                r.error = problem
-                given_up.append(r)
-            else:
-                i += 1
-        if waiting and not self.running:  # nothing runs, nothing was admitted: no step can free room
-            slots, pages = self.pool.free_count("slot"), self.pool.free_count("page")
-            for r in waiting:
-                r.error = (f"cannot be admitted: nothing is running and the pool has {slots} free slots and "
-                           f"{pages} free pages after evicting the prefix cache (open sessions and the prefixes "
-                           f"they hold keep the rest; close a session or ask for fewer new tokens)")
-            given_up += waiting
-            waiting.clear()
-        return given_up
 
     # ------------------------------------------------------------- capacity checks
 
@@ -262,7 +232,7 @@ class Admission:
         down to what open sessions pin (r's own session included), or None when it can: then
         `admit(r, shallower=True)` succeeds with nothing running."""
         slots, pages = self.needs(r)
-        held_s, held_p, tree_s, tree_p = self.session_holdings(self.sessions.values(), exclude=r.session)
+        held_s, held_p, tree_s, tree_p = self.session_holdings(self.requests.sessions.values(), exclude=r.session)
         pinned = f", {tree_s} slots and {tree_p} pages of them in prefix-cache entries their prefixes lock" \
             if tree_s or tree_p else ""
         pool = self.pool

@@ -27,6 +27,7 @@ from ..cache.prefix_tree import PrefixTree
 from .admission import Admission
 from .config import EngineConfig
 from .records import Request
+from .stats import EngineStats
 
 
 @dataclass(frozen=True)
@@ -40,8 +41,8 @@ class Checkpoint:
 
 
 class CheckpointPolicy:
-    def __init__(self, config: EngineConfig, tree: PrefixTree | None, admission: Admission):
-        self.config, self.tree, self.admission = config, tree, admission
+    def __init__(self, config: EngineConfig, tree: PrefixTree | None, admission: Admission, stats: EngineStats):
+        self.config, self.tree, self.admission, self.stats = config, tree, admission, stats
 
     @property
     def max_per_step(self) -> int:
@@ -70,7 +71,7 @@ class CheckpointPolicy:
         if held.virtual_track_slots[idx] == -1:  # lazy: take the second slot only around a boundary
             got = self.admission.try_alloc(1, 0)
             if got is None:
-                self.admission.stats["skipped_checkpoints"] += 1
+                self.stats.skipped_checkpoints += 1
                 return n, []
             held.virtual_track_slots[idx] = got[0][0]
         return n, [Checkpoint(depth, held.virtual_track_slots[idx], donate=False, track_index=idx)]
@@ -91,7 +92,7 @@ class CheckpointPolicy:
                 break
             held.step_slots.append(got[0][0])  # the request's until the step commits or is abandoned
             slots.append((got[0][0], None))
-        self.admission.stats["skipped_checkpoints"] += len(wanted) - len(slots)
+        self.stats.skipped_checkpoints += len(wanted) - len(slots)
         wanted = wanted[len(wanted) - len(slots):]
         return n, [Checkpoint(d, s, donate=True, track_index=i) for d, (s, i) in zip(wanted, slots)]
 

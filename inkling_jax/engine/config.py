@@ -1,16 +1,17 @@
-"""The engine's settings (`EngineConfig`) and a request's sampling settings (`SamplingParams`),
-each validated where it is made."""
+"""The engine's settings (`EngineConfig`), validated where it is made. A request's sampling
+settings, `SamplingParams`, live with the sampling they drive (`steps/sampling.py`)."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from ..cache.prefix_tree import EVICT_POLICIES
 from ..steps import DEFAULT_MAX_STOP_IDS
+from ..steps.sampling import SamplingParams
+from ..validate import is_int, is_real
+
+__all__ = ["EngineConfig", "SamplingParams", "is_int", "is_real"]
 
 
 @dataclass(frozen=True)
@@ -78,50 +79,3 @@ class EngineConfig:
         need(self.track_interval % self.page_size == 0, "track_interval must be a multiple of page_size")
         need(self.chunk_size <= self.max_step_tokens, "need chunk_size <= max_step_tokens")
         need(self.max_step_tokens >= self.max_running, "max_step_tokens must be >= max_running")
-
-
-def is_int(x: Any) -> bool:
-    """An integer that is not a bool (numpy integers included)."""
-    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
-
-
-def is_real(x: Any) -> bool:
-    """A finite real number that is not a bool."""
-    return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, (bool, np.bool_)) \
-        and math.isfinite(float(x))
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    max_new_tokens: int = 32
-    temperature: float = 0.0  # 0: greedy
-    top_k: int = 0  # 0: off
-    top_p: float = 1.0
-    seed: int = 0
-    stop_at_eos: bool = True  # stop after the model's eos token
-    stop_token_ids: tuple[int, ...] = ()  # further tokens that end a generation (kept in the output)
-
-    def __post_init__(self):
-        stops = self.stop_token_ids
-        if isinstance(stops, np.ndarray):
-            stops = stops.tolist()
-        if not isinstance(stops, (list, tuple)) or not all(is_int(t) for t in stops):
-            raise ValueError(f"SamplingParams: stop_token_ids must be a sequence of int token ids, got {stops!r}")
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in stops))
-        self.validate()
-
-    def validate(self) -> None:
-        """Raise ValueError naming the first field that is not usable."""
-        def need(cond, msg):
-            if not cond:
-                raise ValueError(f"SamplingParams: {msg}")
-
-        need(is_int(self.max_new_tokens) and self.max_new_tokens >= 1,
-             f"max_new_tokens must be an int >= 1, got {self.max_new_tokens!r}")
-        need(is_real(self.temperature) and self.temperature >= 0,
-             f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        need(is_int(self.top_k) and self.top_k >= 0, f"top_k must be an int >= 0 (0: off), got {self.top_k!r}")
-        need(is_real(self.top_p) and 0 < self.top_p <= 1, f"top_p must be a number in (0, 1], got {self.top_p!r}")
-        need(is_int(self.seed), f"seed must be an int, got {self.seed!r}")
-        need(isinstance(self.stop_at_eos, bool), f"stop_at_eos must be True or False, got {self.stop_at_eos!r}")
-        need(all(t >= 0 for t in self.stop_token_ids), f"stop_token_ids must be >= 0, got {self.stop_token_ids}")

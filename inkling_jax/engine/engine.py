@@ -35,7 +35,6 @@ same replicated outputs.
 
 from __future__ import annotations
 
-import itertools
 import threading
 import time
 from dataclasses import dataclass
@@ -54,13 +53,13 @@ from ..parallel.plan import ShardPlan
 from ..parallel.planner import plan_memory, pool_sizes
 from ..parallel.serving import place_params
 from ..steps import StepOutput, pack_batch
-from .admission import Admission
-from .checkpoints import CheckpointPolicy
 from .config import EngineConfig, SamplingParams, is_int
 from .interrupts import critical
 from .records import Completion, Request, Session
+from .requests import Requests
 from .runner import DecodeFeed, StepRunner, check_arena_fits, check_arena_fits_per_device
 from .scheduler import HostOutputs, Scheduler, StepPlan
+from .stats import EngineStats
 
 
 @dataclass
@@ -130,28 +129,19 @@ class Engine:
                              lazy=config.ping_pong == "lazy", num_slots=config.num_slots,
                              num_pages=config.num_pages)
         self.tree = PrefixTree(config.page_size, config.evict_policy) if config.prefix_cache else None
-        self._stats = dict(steps=0, extend_steps=0, decode_steps=0, cache_hit_tokens=0, verify_steps=0,
-                           verify_rows=0, accepted_draft_tokens=0, generated_tokens=0, prompt_tokens=0,
-                           evicted_slots=0, evicted_pages=0, deferred=0, skipped_checkpoints=0,
-                           overlapped_dispatches=0)
-        self.admission = Admission(config, self.pool, self.tree, self._stats)
+        self._stats = EngineStats(accepted_at_depth=[0] * config.spec_steps)
+        self.requests = Requests(config, self.pool, self.tree, self._stats)
+        self.admission, self.checkpoints = self.requests.admission, self.requests.checkpoints
         if self.pool.unified:  # the longest sequence: every page but those of one request's slots
             page_cap = (num_units - (1 + self.admission.slots_per_request) * lay.slot_units) // lay.page_units - 1
         else:
             page_cap = config.num_pages
         self.max_context = min(config.max_context or page_cap * config.page_size, page_cap * config.page_size)
-        self.checkpoints = CheckpointPolicy(config, self.tree, self.admission)
         self.runner = self.runner_cls(cfg, params, config, lay, self.pool, self.max_context,
                                  extend_checkpoints=self.checkpoints.max_per_step, plan=self.plan)
-        self.scheduler = Scheduler(cfg, config, self.admission, self.checkpoints, self._stats,
-                                   decode_steps=self.runner.decode_steps)
-        self.waiting: list[Request] = []
-        self.sessions: dict[int, Session] = self.admission.sessions
-        self._rids = itertools.count()
-        self._sids = itertools.count(1)
+        self.scheduler = Scheduler(cfg, config, self.requests, self._stats, decode_steps=self.runner.decode_steps)
         self._lock = threading.RLock()
         self._flights: list[InFlight] = []  # dispatched, outputs not committed yet (oldest first)
-        self._stats["resets"] = 0
         if config.warmup:
             self.warmup()
 
@@ -159,7 +149,18 @@ class Engine:
 
     @property
     def running(self) -> list[Request]:
-        return self.admission.running
+        """Admitted requests (read only: `requests.Requests` owns the lists)."""
+        return self.requests.running
+
+    @property
+    def waiting(self) -> list[Request]:
+        """Submitted requests waiting for admission (read only)."""
+        return self.requests.waiting
+
+    @property
+    def sessions(self) -> dict[int, Session]:
+        """Open sessions by id (read only)."""
+        return self.requests.sessions
 
     @property
     def state(self):
@@ -205,7 +206,7 @@ class Engine:
             out = []
             for i, p in enumerate(prompts):
                 tokens = (sess.tokens + p) if sess else p
-                r = Request(next(self._rids), tokens, len(tokens), sampling, session=sess, submitted=now,
+                r = Request(self.requests.new_rid(), tokens, len(tokens), sampling, session=sess, submitted=now,
                             seed=(sampling.seed * 7919 + i) % (1 << 31))
                 total = len(tokens) + sampling.max_new_tokens + self.config.spec_steps
                 if total > self.max_context:
@@ -216,11 +217,7 @@ class Engine:
                 if problem:
                     raise ValueError(f"prompt {i} can never be admitted: it {problem}")
                 out.append(r)
-            for r in out:
-                self._stats["prompt_tokens"] += r.prompt_len - (len(sess.tokens) if sess else 0)
-                self.waiting.append(r)
-            if sess:
-                sess.turn = out[0]
+            self.requests.queue(out, sess)
             return out
 
     def _checked_prompts(self, prompts) -> list[list[int]]:
@@ -250,9 +247,7 @@ class Engine:
     def _session_for_turn(self, session: int | None, num_prompts: int) -> Session | None:
         if session is None:
             return None
-        sess = self.sessions.get(session) if is_int(session) else None
-        if sess is None:
-            raise ValueError(f"session {session} is not open")
+        sess = self.requests.session(session)
         if num_prompts != 1:
             raise ValueError(f"a session turn takes exactly one prompt, got {num_prompts}")
         if sess.turn is not None:
@@ -280,13 +275,11 @@ class Engine:
             ahead = self._plan_ahead()
             if ahead is not None:
                 self._dispatch(ahead, feed_from=self._flights[-1])
-                self._stats["overlapped_dispatches"] += 1
+                self._stats.overlapped_dispatches += 1
                 self._settle(keep_last=True)
                 return
             self._settle()
-            for r in self.admission.admit_waiting(self.waiting):  # never admissible: given up
-                if r.session is not None:
-                    r.session.turn = None
+            self.requests.admit_waiting()  # (a request that never fits is given up with the reason)
             plan = self.scheduler.plan(self.drafts_for)
             if plan is None:
                 return
@@ -367,19 +360,10 @@ class Engine:
             for flight in self._flights:
                 self.scheduler.abandon(flight.plan)
             self._flights.clear()
-            for r in list(self.running):
-                self.admission.release(r.held)
-                r.held, r.virtual_cow_slot, r.drafts = type(r.held)(), 0, []
-            self.waiting[:0] = self.running  # they go first, in the order they ran
-            self.running.clear()
-            for sess in self.sessions.values():
-                if sess.held is not None:
-                    self.admission.release(sess.held)
-                    sess.held = None
-            self.admission.evict_all()
+            self.requests.restart_all()
             self.pool.compact()
             self.runner.rebuild_state(self.pool)
-            self._stats["resets"] += 1
+            self._stats.resets += 1
 
     def abort(self, request: Request | int) -> None:
         """Cancel a queued or running request (a Request or its id): it finishes with
@@ -390,20 +374,8 @@ class Engine:
             self._settle()
             if isinstance(request, Request) and (request.finish_reason is not None or request.error is not None):
                 return  # it finished (perhaps in the step just settled): nothing to cancel
-            rid = request.rid if isinstance(request, Request) else request
-            for r in self.waiting:
-                if r.rid == rid:
-                    self.waiting.remove(r)
-                    if r.session is not None:
-                        r.session.turn = None
-                    r.finish_reason = "abort"
-                    return
-            for r in self.running:
-                if r.rid == rid:  # (its freed slots are compacted on the device by the next step)
-                    r.finish_reason = "abort"
-                    self.scheduler.finish(r)
-                    return
-            raise ValueError(f"request {rid} is not queued or running")
+            # (a running one's freed slots are compacted on the device by the next step)
+            self.requests.abort(request.rid if isinstance(request, Request) else request)
 
     def drafts_for(self, r: Request) -> list[int]:
         """The draft tokens a verify step checks for r: the MTP chain's proposals from the last
@@ -415,24 +387,16 @@ class Engine:
 
     def open_session(self) -> int:
         with self._lock:
-            sid = next(self._sids)
-            self.sessions[sid] = Session(sid)
-            return sid
+            return self.requests.open_session()
 
     def close_session(self, sid: int, abort: bool = False) -> None:
         """Close a session and free its state. A turn in flight is an error, unless abort=True
         (the turn is aborted first)."""
         with self._lock:
-            sess = self.sessions.get(sid) if is_int(sid) else None
-            if sess is None:
-                raise ValueError(f"session {sid} is not open")
-            if sess.turn is not None:
-                if not abort:
-                    raise ValueError(f"session {sid} has a turn in flight (close_session(..., abort=True) cancels it)")
+            sess = self.requests.session(sid)
+            if sess.turn is not None and abort:
                 self.abort(sess.turn)
-            del self.sessions[sid]
-            if sess.held is not None:  # (compacted on the device by the next step)
-                self.admission.release(sess.held)
+            self.requests.close_session(sid)
 
     # ---------------------------------------------------------------- the rest
 
@@ -444,15 +408,12 @@ class Engine:
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
-            s = dict(self._stats, **self.runner.stats)
+            s = dict(self._stats.as_dict(), **self.runner.stats)
             s["free_slots"] = self.pool.free_count("slot")
             s["free_pages"] = self.pool.free_count("page")
             s["live_slots"] = self.pool.live_count("slot")
             s["live_pages"] = self.pool.live_count("page")
             s["compaction_moves"] = self.pool.moves_done
-            rows = s["verify_rows"]
-            s["mean_accept_length"] = (s["accepted_draft_tokens"] + rows) / rows if rows else 0.0  # bonus included
-            s["depth_acceptance"] = [a / rows if rows else 0.0 for a in self.scheduler.accepted_at_depth]
             return s
 
     def compact(self) -> None:

@@ -205,7 +205,7 @@ class FakeRunner(StepRunner):
                          np.zeros((b, spec), np.int32))
         arena = self.state.arena.copy()  # a step is all or nothing, like the donated arena
         for i in range(b):
-            if batch.num_new[i] > 0:
+            if batch.layout.num_new[i] > 0:
                 self._row(arena, shape, batch, i, out, width)
         self.state = FakeState(arena, self.state.slot_v2p, self.state.page_v2p)
         return out
@@ -215,40 +215,40 @@ class FakeRunner(StepRunner):
         previous dispatch's outputs."""
         from dataclasses import replace
 
-        tokens, num_new, num_steps = batch.tokens.copy(), batch.num_new.copy(), batch.num_steps.copy()
+        tokens, num_new, num_steps = batch.layout.tokens.copy(), batch.layout.num_new.copy(), batch.layout.num_steps.copy()
         for i, (src, planned) in enumerate(zip(feed.rows, feed.steps)):
             token = int(feed.prev.tokens[src, max(planned - 1, 0)])
-            stopped = token in [s for s in batch.stop_ids[i] if s >= 0]
+            stopped = token in [s for s in batch.sampling.stop_ids[i] if s >= 0]
             tokens[i] = token
             if not (int(feed.prev.num_accepted[src]) == planned and not stopped):
                 num_new[i] = num_steps[i] = 0
-        return replace(batch, tokens=tokens, num_new=num_new, num_steps=num_steps)
+        return replace(batch, layout=replace(batch.layout, tokens=tokens, num_new=num_new, num_steps=num_steps))
 
     def _translate_slot(self, virtual: int) -> int:
         return int(self.state.slot_v2p[virtual]) if virtual > 0 else 0
 
     def _row(self, arena: np.ndarray, shape: StepShape, batch: StepBatch, i: int, out: FakeOutput,
              width: int | None) -> None:
-        slot = self._translate_slot(int(batch.virtual_slot[i]))
+        slot = self._translate_slot(int(batch.slots.virtual_slot[i]))
         if slot == 0:
             raise FakeStateError(f"row {i}: a live row on the sink slot")
-        pages = [int(self.state.page_v2p[v]) if v > 0 else 0 for v in batch.virtual_pages[i]]
-        cow = self._translate_slot(int(batch.virtual_cow_slot[i]))
+        pages = [int(self.state.page_v2p[v]) if v > 0 else 0 for v in batch.slots.virtual_pages[i]]
+        cow = self._translate_slot(int(batch.slots.virtual_cow_slot[i]))
         if cow:
             rows = slice(self.arena_slot_row(cow), self.arena_slot_row(cow) + self.layout.slot_units)
             arena[self.arena_slot_row(slot):self.arena_slot_row(slot) + self.layout.slot_units] = arena[rows]
-        start = int(batch.seq_start[i])
+        start = int(batch.layout.seq_start[i])
         length, h = (int(arena[self.arena_slot_row(slot), 0]), int(arena[self.arena_slot_row(slot), 1])) \
-            if batch.has_state[i] else (0, SEED)
+            if batch.layout.has_state[i] else (0, SEED)
         if length != start:
             raise FakeStateError(f"row {i}: its slot holds {length} tokens, the step starts at {start}")
         if fold(self._read_pages(arena, pages, 0, start)) != h:
             raise FakeStateError(f"row {i}: the tokens its pages hold are not its slot's history")
-        tracks = [(int(v), int(n)) for v, n in zip(batch.virtual_track_slot[i], batch.track_len[i]) if n > 0]
-        q0, n = int(batch.query_start[i]), int(batch.num_new[i])
-        new = [int(t) for t in batch.tokens[q0:q0 + n]]
-        temp, seed = float(batch.temperature[i]), int(batch.seed[i])
-        stops = {int(s) for s in batch.stop_ids[i] if s >= 0}
+        tracks = [(int(v), int(n)) for v, n in zip(batch.slots.virtual_track_slot[i], batch.slots.track_len[i]) if n > 0]
+        q0, n = int(batch.layout.query_start[i]), int(batch.layout.num_new[i])
+        new = [int(t) for t in batch.layout.tokens[q0:q0 + n]]
+        temp, seed = float(batch.sampling.temperature[i]), int(batch.sampling.seed[i])
+        stops = {int(s) for s in batch.sampling.stop_ids[i] if s >= 0}
 
         def advance(h, pos, tokens, tracks_at):
             for j, t in enumerate(tokens):
@@ -265,7 +265,7 @@ class FakeRunner(StepRunner):
             accepted = 0
             for d in range(len(drafts)):
                 want = next_token(hh, temp, seed, start + 1 + d, self.vocab)
-                if drafts[d] != want or accepted >= int(batch.max_accept[i]):
+                if drafts[d] != want or accepted >= int(batch.spec.max_accept[i]):
                     break
                 out.accepted_logprobs[i, d] = token_logprob(hh, drafts[d])
                 accepted += 1
@@ -294,7 +294,7 @@ class FakeRunner(StepRunner):
                 out.drafts[i] = self._drafts(mix(h_end, tok), temp, seed, start + n + 1)
             return
         token, pos = new[0], start  # a K-step decode: each step's sample feeds the next
-        for j in range(int(batch.num_steps[i])):
+        for j in range(int(batch.layout.num_steps[i])):
             h = advance(h, pos, [token], [(v, at - j) for v, at in tracks if at == j + 1])
             self._write_slot(arena, slot, pos + 1, h)
             token = next_token(h, temp, seed, pos + 1, self.vocab)

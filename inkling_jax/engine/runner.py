@@ -293,11 +293,12 @@ class StepRunner:
         if feed is not None:
             if shape.mode != "decode" or shape.steps < 2:
                 raise ValueError("only multi-step decode dispatches are fed from the previous one")
-            tokens, num_new, num_steps = feed_decode(batch.tokens, batch.num_new, batch.num_steps, batch.stop_ids,
+            tokens, num_new, num_steps = feed_decode(batch.layout.tokens, batch.layout.num_new, batch.layout.num_steps, batch.sampling.stop_ids,
                                                      feed.prev.tokens, feed.prev.num_accepted,
                                                      pad_to(feed.rows, shape.batch, -1),
                                                      pad_to(feed.steps, shape.batch, 0))
-            batch = dataclasses.replace(batch, tokens=tokens, num_new=num_new, num_steps=num_steps)
+            batch = dataclasses.replace(batch, layout=dataclasses.replace(batch.layout, tokens=tokens, num_new=num_new,
+                                                                          num_steps=num_steps))
         out, self.state = fn(self.params, self.state, batch)
         return out
 

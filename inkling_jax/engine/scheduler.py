@@ -22,16 +22,17 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Callable
 
 import numpy as np
 
 from ..config import InklingConfig
 from ..steps import RowPlan
-from .admission import Admission
-from .checkpoints import Checkpoint, CheckpointPolicy
+from .checkpoints import Checkpoint
 from .config import EngineConfig, is_int
 from .records import Request
+from .requests import Requests
+from .stats import EngineStats
 
 DraftSource = Callable[[Request], list[int]]  # the drafts a verify step checks for a request
 
@@ -65,16 +66,16 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, cfg: InklingConfig, config: EngineConfig, admission: Admission, checkpoints: CheckpointPolicy,
-                 stats: dict[str, Any], decode_steps: int = 1):
-        self.cfg, self.config, self.admission, self.checkpoints, self.stats = cfg, config, admission, checkpoints, stats
+    def __init__(self, cfg: InklingConfig, config: EngineConfig, requests: Requests, stats: EngineStats,
+                 decode_steps: int = 1):
+        self.cfg, self.config, self.requests, self.stats = cfg, config, requests, stats
+        self.admission, self.checkpoints = requests.admission, requests.checkpoints
         self.decode_steps = decode_steps  # K of a decode dispatch (the runner's shape)
-        self.accepted_at_depth = [0] * config.spec_steps
         self.last_mode = "decode"
 
     @property
     def running(self) -> list[Request]:
-        return self.admission.running
+        return self.requests.running
 
     # ------------------------------------------------------------------ planning
 
@@ -176,8 +177,7 @@ class Scheduler:
         seq_start = held.committed if start is None else start
         row = RowPlan(tokens=[], seq_start=seq_start, virtual_slot=held.virtual_slot,
                       virtual_pages=held.virtual_pages, virtual_cow_slot=r.virtual_cow_slot if start is None else 0,
-                      temperature=r.sampling.temperature, top_k=r.sampling.top_k, top_p=r.sampling.top_p,
-                      seed=r.seed, stop_ids=self.stop_ids(r)[:self.config.max_stop_ids],
+                      sampling=r.sampling, seed=r.seed, stop_ids=self.stop_ids(r)[:self.config.max_stop_ids],
                       virtual_track_slots=[ck.virtual_slot for ck in checkpoints],
                       track_lens=[ck.depth - seq_start for ck in checkpoints])
         if start is not None:
@@ -211,8 +211,7 @@ class Scheduler:
 
     def commit(self, plan: StepPlan, out: HostOutputs) -> list[Request]:
         """Apply a step's outputs to the records; returns the requests that finished."""
-        self.stats["steps"] += 1
-        self.stats[f"{plan.mode}_steps"] += 1
+        self.stats.count_step(plan.mode)
         now = time.perf_counter()
         live = {id(r) for r in self.running}
         for i, (r, n, cks) in enumerate(zip(plan.requests, plan.new_tokens, plan.checkpoints)):
@@ -238,7 +237,7 @@ class Scheduler:
                     r.drafts = [int(t) for t in out.drafts[i]]
         finished = [r for r in plan.requests if r.finish_reason is not None and id(r) in live]
         for r in finished:
-            self.finish(r)
+            self.requests.finish(r)
         return finished
 
     def _commit_verify(self, r: Request, row: RowPlan, out: HostOutputs, i: int, now: float) -> None:
@@ -249,10 +248,7 @@ class Scheduler:
         for tok, lp in zip(emitted, lps):
             self.emit(r, tok, lp, now)
         r.accept_lengths.append(a)
-        self.stats["verify_rows"] += 1
-        self.stats["accepted_draft_tokens"] += a
-        for d in range(a):
-            self.accepted_at_depth[d] += 1
+        self.stats.count_verify_row(a)
         r.drafts = [int(t) for t in out.drafts[i]]
 
     def emit(self, r: Request, token: int, logprob: float, now: float) -> None:
@@ -263,20 +259,8 @@ class Scheduler:
             r.first_token_at = now
         r.out_tokens.append(token)
         r.out_logprobs.append(logprob)
-        self.stats["generated_tokens"] += 1
+        self.stats.generated_tokens += 1
         if (r.sampling.stop_at_eos and token == self.cfg.eos_token_id) or token in r.sampling.stop_token_ids:
             r.finish_reason = "stop"
         elif len(r.out_tokens) >= r.sampling.max_new_tokens:
             r.finish_reason = "length"
-
-    def finish(self, r: Request) -> None:
-        """A finished request leaves: its state goes to its session, or its newest
-        checkpoint to the tree and everything else back to the pool."""
-        self.running.remove(r)
-        held = r.held
-        held.reserved_pages = 0
-        if r.session is not None:
-            r.session.held, r.session.tokens, r.session.turn = held, r.tokens, None
-            return
-        kept = self.checkpoints.insert_at_finish(r)
-        self.admission.release(held, keep_track=kept)

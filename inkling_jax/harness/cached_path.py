@@ -133,7 +133,7 @@ def _loss_and_cotangents(logits: list[np.ndarray], schedule: list[list[int]], ta
 def _chain_gradients(vjp: Callable, params: Params, state, plan: LossPlan, schedule: list[list[int]], vocab: int):
     """Forward through the chain, then backward with each step's arena cotangent handed to the
     step before. Returns (loss, d loss / d params (float64), ||d loss / d input arena|| per step)."""
-    b = len(np.asarray(plan.batches[0].num_new))
+    b = len(np.asarray(plan.batches[0].layout.num_new))
     zero_arena = jnp.zeros_like(state.arena)
     zero_cot = np.zeros((b, vocab), np.float32)
     states, exts, logits = [], [], []
@@ -141,7 +141,7 @@ def _chain_gradients(vjp: Callable, params: Params, state, plan: LossPlan, sched
         ext_rows, batch_ext = extend_embeddings(params, batch)
         lg, new_arena, _, _, _ = vjp(params, ext_rows, state, batch_ext, zero_cot, zero_arena)
         states.append(state)
-        exts.append((ext_rows, batch_ext, np.asarray(batch.tokens)))
+        exts.append((ext_rows, batch_ext, np.asarray(batch.layout.tokens)))
         logits.append(np.asarray(lg, np.float64))
         state = state.replace(arena=new_arena)
     loss, cot_logits = _loss_and_cotangents(logits, schedule, plan.targets)

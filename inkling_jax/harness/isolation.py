@@ -107,16 +107,16 @@ def ownership(state: ServingState, batch: StepBatch, layout: ArenaLayout) -> Own
     """Host-side map of who owns each packed token and each arena row."""
     slot_v2p, page_v2p = np.asarray(state.slot_v2p), np.asarray(state.page_v2p)
     num_units = int(state.arena.shape[0])
-    num_new = np.asarray(batch.num_new)
+    num_new = np.asarray(batch.layout.num_new)
     b = len(num_new)
     real = [r for r in range(b) if num_new[r] > 0]
     slot_rows, page_rows = _object_rows(layout, num_units)
     phys_slot = lambda v: int(slot_v2p[v]) if v > 0 else 0
     unit_labels = _background_labels(slot_v2p, page_v2p, layout, num_units)
 
-    slot, cow = np.asarray(batch.virtual_slot), np.asarray(batch.virtual_cow_slot)
-    track, track_len = np.asarray(batch.virtual_track_slot), np.asarray(batch.track_len)
-    pages = np.asarray(batch.virtual_pages)
+    slot, cow = np.asarray(batch.slots.virtual_slot), np.asarray(batch.slots.virtual_cow_slot)
+    track, track_len = np.asarray(batch.slots.virtual_track_slot), np.asarray(batch.slots.track_len)
+    pages = np.asarray(batch.slots.virtual_pages)
     own_units = np.zeros((b, num_units), bool)
     slot_u: dict[int, set[int]] = {}
     page_u: dict[int, set[int]] = {}
@@ -143,7 +143,7 @@ def ownership(state: ServingState, batch: StepBatch, layout: ArenaLayout) -> Own
     for u, names in owners.items():
         unit_labels[u] = " / ".join(dict.fromkeys(names))
 
-    token_row, token_offset = np.asarray(batch.token_row), np.asarray(batch.token_offset)
+    token_row, token_offset = np.asarray(batch.layout.token_row), np.asarray(batch.layout.token_offset)
     own_tokens = np.zeros((b, len(token_row)), bool)
     token_labels = []
     for i, r in enumerate(token_row.tolist()):
@@ -160,7 +160,7 @@ def _row_gradients(params: Params, state: ServingState, batch: StepBatch, step_f
     """(logits [B, V], token_grad [B, T], arena_grad [B, U]): for each row r in `rows`, the max
     |gradient| of c_r . logits_r (c_r random) per packed token embedding and per arena row."""
     ext_rows, batch_ext = extend_embeddings(params, batch)
-    b, t = len(np.asarray(batch.num_new)), len(np.asarray(batch.tokens))
+    b, t = len(np.asarray(batch.layout.num_new)), len(np.asarray(batch.layout.tokens))
     cot = np.asarray(jax.random.normal(jax.random.key(seed), (b, vocab), jnp.float32))
     zero_arena = jnp.zeros_like(state.arena)
     vjp = step_vjp(step_fn)
@@ -213,7 +213,7 @@ def check_isolation(params: Params, scenario: Scenario | None = None, *, state: 
     leaks: list[Leak] = []
     problems, lines = [], []
     own_tok, own_slot, own_page = {}, {}, {}
-    has_state, seq_start = np.asarray(batch.has_state), np.asarray(batch.seq_start)
+    has_state, seq_start = np.asarray(batch.layout.has_state), np.asarray(batch.layout.seq_start)
     has_pages = any(g is not None for g in layout.target_page_layer)
     for r in own.real_rows:
         row_leaks = _leaks_of_row(r, tok, ar, own)

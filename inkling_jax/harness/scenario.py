@@ -101,10 +101,10 @@ def isolation_scenario(cfg: InklingConfig, geometry: Geometry | None = None, see
     ])
     # padding tokens: row 3's would-be new tokens (random ids, offsets 0, 1, ...); the padded
     # rows start where they do
-    batch.tokens[9:] = tokens[9:]
-    batch.token_row[9:] = 3
-    batch.token_offset[9:] = np.arange(t - 9)
-    batch.query_start[3:] = 9
+    batch.layout.tokens[9:] = tokens[9:]
+    batch.layout.token_row[9:] = 3
+    batch.layout.token_offset[9:] = np.arange(t - 9)
+    batch.layout.query_start[3:] = 9
     description = "\n".join([
         f"extend step, B {b} rows, T {t} packed tokens, Q {geometry.shape.query}, P {p} pages per row:",
         "  row 0: continuing request, 6 cached tokens, 3 new, checkpoint after 2 of them",

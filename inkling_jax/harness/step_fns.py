@@ -92,7 +92,7 @@ def step_vjp(step_fn: StepFn) -> Callable:
 def extend_embeddings(params: Params, batch: StepBatch) -> tuple[jax.Array, StepBatch]:
     """(ext_rows [T, H], batch_ext): the packed tokens' embedding vectors, and the batch with
     token t rewritten to id V + t (pointing at ext_rows[t])."""
-    tokens = np.asarray(batch.tokens)
+    tokens = np.asarray(batch.layout.tokens)
     v = params["embed"].shape[0]
     ext_rows = jnp.asarray(params["embed"])[jnp.asarray(tokens)]
-    return ext_rows, dc_replace(batch, tokens=np.arange(v, v + len(tokens), dtype=np.int32))
+    return ext_rows, dc_replace(batch, layout=dc_replace(batch.layout, tokens=np.arange(v, v + len(tokens), dtype=np.int32)))

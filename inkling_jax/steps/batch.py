@@ -16,7 +16,9 @@ from typing import Sequence
 
 import jax
 import numpy as np
-from jaxtyping import Array, Bool, Float, Int
+from jaxtyping import Array, Bool, Int
+
+from .sampling import GREEDY, SamplingArrays, SamplingParams
 
 MODES = ("extend", "decode", "verify")
 DEFAULT_MAX_STOP_IDS = 8  # stop-id columns of a batch unless the engine asks for more
@@ -50,65 +52,80 @@ class StepShape:
 
 @jax.tree_util.register_dataclass
 @dataclass
-class StepBatch:
-    """One step's inputs (numpy on the host, device arrays inside the step). Ids are virtual.
-
-    T packed tokens, B rows, P page columns, M checkpoint columns, S = spec_steps, NS stop-id
-    columns."""
+class TokenLayout:
+    """The packed tokens and which row each belongs to. T packed tokens, B rows."""
 
     tokens: Int[Array, "t"]
     token_row: Int[Array, "t"]  # request row of each packed token (padding: the last row)
     token_offset: Int[Array, "t"]  # index among the row's new tokens (padding: >= Q + PAD_TOKEN_OFFSET)
-    virtual_slot: Int[Array, "b"]  # the row's slot (0: padded row -> sink)
-    has_state: Bool[Array, "b"]  # the slot holds state for positions < seq_start
-    seq_start: Int[Array, "b"]  # position of the row's first new token
-    num_new: Int[Array, "b"]  # new tokens this step (0: padded row); verify: 1 + spec_steps
     query_start: Int[Array, "b"]  # packed index of the row's first new token
+    num_new: Int[Array, "b"]  # new tokens this step (0: padded row); verify: 1 + spec_steps
+    seq_start: Int[Array, "b"]  # position of the row's first new token
+    has_state: Bool[Array, "b"]  # the slot holds state for positions < seq_start
+    num_steps: Int[Array, "b"]  # multi-step decode: steps the row runs at most (1 elsewhere; 0: padded row)
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class RowSlots:
+    """Where each row's state lives (virtual ids: the step translates them). P page columns,
+    M checkpoint columns."""
+
+    virtual_slot: Int[Array, "b"]  # the row's slot (0: padded row -> sink)
     virtual_pages: Int[Array, "b p"]  # page ids covering positions [0, P * page_size)
     virtual_track_slot: Int[Array, "b m"]  # checkpoint slots (0: the column is unused)
     track_len: Int[Array, "b m"]  # new tokens before each checkpoint position (0: none); verify: the
     #                               candidate, written only if at least that many tokens commit
     virtual_cow_slot: Int[Array, "b"]  # slot to restore into `virtual_slot` first (0: none)
-    temperature: Float[Array, "b"]
-    top_k: Int[Array, "b"]  # 0: off
-    top_p: Float[Array, "b"]  # 1: off
-    seed: Int[Array, "b"]  # per-request sampling seed (keys fold in the position)
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class SpecArrays:
+    """Speculative decoding's row inputs (S = spec_steps)."""
+
     lookahead: Int[Array, "b la"]  # known tokens after the row's new ones (t_e, t_e+1, ...), spec only
     sample_next: Bool[Array, "b"]  # t_e is this step's sample (else lookahead[0]); spec only
     max_accept: Int[Array, "b"]  # verify: accept at most this many drafts
-    stop_ids: Int[Array, "b ns"]  # verify, multi-step decode: tokens that end the row's generation (-1: none)
-    num_steps: Int[Array, "b"]  # multi-step decode: steps the row runs at most (1 elsewhere; 0: padded row)
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class StepBatch:
+    """One step's inputs (numpy on the host, device arrays inside the step), as four groups:
+    the token layout, the rows' state ids, their sampling settings, speculation. Ids are virtual."""
+
+    layout: TokenLayout
+    slots: RowSlots
+    sampling: SamplingArrays
+    spec: SpecArrays
 
     @staticmethod
     def empty(shape: StepShape, spec_steps: int = 0, max_stop_ids: int = DEFAULT_MAX_STOP_IDS) -> "StepBatch":
         """An all-padding batch of `shape` (numpy), to fill in place or with dataclasses.replace."""
         b, t, p = shape.batch, shape.tokens, shape.pages
         i32 = lambda *n: np.zeros(n, np.int32)
-        return StepBatch(tokens=i32(t), token_row=np.full(t, b - 1, np.int32),
-                         token_offset=np.full(t, shape.query + PAD_TOKEN_OFFSET, np.int32), virtual_slot=i32(b),
-                         has_state=np.zeros(b, bool), seq_start=i32(b), num_new=i32(b), query_start=i32(b),
-                         virtual_pages=i32(b, p), virtual_track_slot=i32(b, shape.tracks),
-                         track_len=i32(b, shape.tracks),
-                         virtual_cow_slot=i32(b), temperature=np.zeros(b, np.float32), top_k=i32(b),
-                         top_p=np.ones(b, np.float32), seed=i32(b), lookahead=i32(b, spec_steps + 1),
-                         sample_next=np.zeros(b, bool), max_accept=i32(b),
-                         stop_ids=np.full((b, max_stop_ids), -1, np.int32), num_steps=i32(b))
+        return StepBatch(
+            layout=TokenLayout(tokens=i32(t), token_row=np.full(t, b - 1, np.int32),
+                               token_offset=np.full(t, shape.query + PAD_TOKEN_OFFSET, np.int32), query_start=i32(b),
+                               num_new=i32(b), seq_start=i32(b), has_state=np.zeros(b, bool), num_steps=i32(b)),
+            slots=RowSlots(virtual_slot=i32(b), virtual_pages=i32(b, p), virtual_track_slot=i32(b, shape.tracks),
+                           track_len=i32(b, shape.tracks), virtual_cow_slot=i32(b)),
+            sampling=SamplingArrays.empty(b, max_stop_ids),
+            spec=SpecArrays(lookahead=i32(b, spec_steps + 1), sample_next=np.zeros(b, bool), max_accept=i32(b)))
 
 
 def check_batch(batch: StepBatch, shape: StepShape, spec_steps: int = 0,
                 max_stop_ids: int = DEFAULT_MAX_STOP_IDS) -> None:
     """Raise ValueError naming the first field whose shape does not fit the compiled bucket
     (before anything is donated, so the state is untouched)."""
-    want = {"tokens": (shape.tokens,), "token_row": (shape.tokens,), "token_offset": (shape.tokens,),
-            "virtual_pages": (shape.batch, shape.pages), "lookahead": (shape.batch, spec_steps + 1),
-            "virtual_track_slot": (shape.batch, shape.tracks), "track_len": (shape.batch, shape.tracks),
-            "stop_ids": (shape.batch, max_stop_ids)}
-    for name in StepBatch.__dataclass_fields__:
-        got = tuple(getattr(batch, name).shape)
-        expected = want.get(name, (shape.batch,))
-        if got != expected:
-            raise ValueError(f"StepBatch.{name} has shape {got}; the compiled {shape.mode} bucket takes {expected} "
-                             f"(batch {shape.batch}, tokens {shape.tokens}, pages {shape.pages})")
+    want = StepBatch.empty(shape, spec_steps, max_stop_ids)
+    for group in ("layout", "slots", "sampling", "spec"):
+        for name in getattr(want, group).__dataclass_fields__:
+            got, expected = (tuple(getattr(getattr(x, group), name).shape) for x in (batch, want))
+            if got != expected:
+                raise ValueError(f"StepBatch.{group}.{name} has shape {got}; the compiled {shape.mode} bucket takes "
+                                 f"{expected} (batch {shape.batch}, tokens {shape.tokens}, pages {shape.pages})")
 
 
 @dataclass
@@ -123,14 +140,13 @@ class RowPlan:
     virtual_track_slots: Sequence[int] = ()  # checkpoint slots, one per checkpoint this step
     track_lens: Sequence[int] = ()  # new tokens before each checkpoint position
     virtual_cow_slot: int = 0  # restore this slot into virtual_slot first (prefix hit)
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int = 0
+    sampling: SamplingParams = GREEDY  # the request's sampling settings
+    seed: int = 0  # the request's sampling seed
+    stop_ids: Sequence[int] = field(default_factory=tuple)  # verify, multi-step decode: tokens that end the
+    #                                                         generation (eos resolved)
     lookahead: Sequence[int] = ()  # spec: known tokens after the new ones
     sample_next: bool = True  # spec: the token after the new ones is this step's sample
     max_accept: int = 0  # verify: most drafts to accept
-    stop_ids: Sequence[int] = field(default_factory=tuple)  # verify, multi-step decode: tokens that end the generation
     num_steps: int = 1  # multi-step decode: steps the row runs at most (its one token is the first step's)
 
 
@@ -146,6 +162,8 @@ def pack_batch(shape: StepShape, rows: Sequence[RowPlan], spec_steps: int = 0,
     if total > shape.tokens:
         raise ValueError(f"{total} new tokens do not fit a step of {shape.tokens}")
     b = StepBatch.empty(shape, spec_steps, max_stop_ids)
+    lay, ids, spec = b.layout, b.slots, b.spec
+    b.sampling = SamplingArrays.pack([(r.sampling, r.seed, r.stop_ids) for r in rows], shape.batch, max_stop_ids)
     pos = 0
     for i, r in enumerate(rows):
         n = len(r.tokens)
@@ -158,34 +176,27 @@ def pack_batch(shape: StepShape, rows: Sequence[RowPlan], spec_steps: int = 0,
                              f"(its last token and spec_steps drafts)")
         if len(r.virtual_pages) > shape.pages:
             raise ValueError(f"row {i} needs {len(r.virtual_pages)} pages; the step holds {shape.pages} per row")
-        if len(r.stop_ids) > max_stop_ids:
-            raise ValueError(f"row {i} has {len(r.stop_ids)} stop ids; the step holds {max_stop_ids}")
         if len(r.virtual_track_slots) != len(r.track_lens) or len(r.track_lens) > shape.tracks:
             raise ValueError(f"row {i} has {len(r.track_lens)} checkpoints; the step holds {shape.tracks} per row")
         if not 1 <= r.num_steps <= shape.steps:
             raise ValueError(f"row {i} runs {r.num_steps} steps; the dispatch runs 1 to {shape.steps}")
         if len(r.lookahead) > spec_steps + 1:
             raise ValueError(f"row {i} has {len(r.lookahead)} lookahead tokens; the step holds {spec_steps + 1}")
-        b.tokens[pos:pos + n] = r.tokens
-        b.token_row[pos:pos + n] = i
-        b.token_offset[pos:pos + n] = np.arange(n)
-        b.virtual_slot[i] = r.virtual_slot
-        b.has_state[i] = r.seq_start > 0 if r.has_state is None else r.has_state
-        b.seq_start[i] = r.seq_start
-        b.num_new[i] = n
-        b.query_start[i] = pos
-        b.virtual_pages[i, :len(r.virtual_pages)] = r.virtual_pages
-        b.virtual_track_slot[i, :len(r.track_lens)] = r.virtual_track_slots
-        b.track_len[i, :len(r.track_lens)] = r.track_lens
-        b.virtual_cow_slot[i] = r.virtual_cow_slot
-        b.temperature[i] = r.temperature
-        b.top_k[i] = r.top_k
-        b.top_p[i] = r.top_p
-        b.seed[i] = r.seed
-        b.lookahead[i, :len(r.lookahead)] = r.lookahead
-        b.sample_next[i] = r.sample_next
-        b.max_accept[i] = r.max_accept
-        b.stop_ids[i, :len(r.stop_ids)] = r.stop_ids
-        b.num_steps[i] = r.num_steps
+        lay.tokens[pos:pos + n] = r.tokens
+        lay.token_row[pos:pos + n] = i
+        lay.token_offset[pos:pos + n] = np.arange(n)
+        lay.query_start[i] = pos
+        lay.num_new[i] = n
+        lay.seq_start[i] = r.seq_start
+        lay.has_state[i] = r.seq_start > 0 if r.has_state is None else r.has_state
+        lay.num_steps[i] = r.num_steps
+        ids.virtual_slot[i] = r.virtual_slot
+        ids.virtual_pages[i, :len(r.virtual_pages)] = r.virtual_pages
+        ids.virtual_track_slot[i, :len(r.track_lens)] = r.virtual_track_slots
+        ids.track_len[i, :len(r.track_lens)] = r.track_lens
+        ids.virtual_cow_slot[i] = r.virtual_cow_slot
+        spec.lookahead[i, :len(r.lookahead)] = r.lookahead
+        spec.sample_next[i] = r.sample_next
+        spec.max_accept[i] = r.max_accept
         pos += n
     return b

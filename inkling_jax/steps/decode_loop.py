@@ -9,13 +9,13 @@ otherwise than the lone step):
 
     iteration j (0 <= j < K), row i active:
         token      = row i's input: the batch's token at j = 0, else iteration j-1's sample
-        seq_start  = batch.seq_start + j           (sampling keys fold in the position)
-        has_state  = batch.has_state or j > 0
-        cow slot   = batch.virtual_cow_slot at j = 0 only (a prefix hit restores once)
-        checkpoint = batch.track_len == j + 1      (the boundary after this step's token)
+        seq_start  = batch.layout.seq_start + j           (sampling keys fold in the position)
+        has_state  = batch.layout.has_state or j > 0
+        cow slot   = batch.slots.virtual_cow_slot at j = 0 only (a prefix hit restores once)
+        checkpoint = batch.slots.track_len == j + 1      (the boundary after this step's token)
 
 A row is active while j < num_steps[i] and no earlier iteration sampled one of its stop ids
-(`batch.stop_ids`, its eos included). An inactive row is a padded row (sink slot and pages,
+(`batch.sampling.stop_ids`, its eos included). An inactive row is a padded row (sink slot and pages,
 no new token): the state past a stop is never written, as when the host stops feeding it.
 
 Outputs: tokens / logprobs [B, K] (iteration j's sample in column j; columns at and past
@@ -40,31 +40,33 @@ def decode_loop(single_step: Callable, state, batch: StepBatch, steps: int, quer
     batch of each iteration as the module docstring says. Returns (tokens [B, K], logprobs
     [B, K], steps run [B], the last iteration's drafts [B, S], state); `run_step` makes the
     StepOutput of them."""
-    b = batch.num_new.shape[0]
+    b = batch.layout.num_new.shape[0]
     pad_offset = query + PAD_TOKEN_OFFSET
-    stops = batch.stop_ids
+    stops = batch.sampling.stop_ids
 
     def body(j, carry):
         state, token, active, tokens, logprobs, ran, drafts = carry
         col = lambda x: jnp.where(active[:, None], x, 0)
+        lay, ids = batch.layout, batch.slots
         step_batch = dataclasses.replace(
-            batch, tokens=token, token_offset=jnp.where(active, 0, pad_offset),
-            virtual_slot=jnp.where(active, batch.virtual_slot, 0), has_state=active & (batch.has_state | (j > 0)),
-            seq_start=batch.seq_start + j, num_new=active.astype(jnp.int32), virtual_pages=col(batch.virtual_pages),
-            virtual_track_slot=col(batch.virtual_track_slot),
-            track_len=jnp.where(batch.track_len == j + 1, 1, 0).astype(jnp.int32),
-            virtual_cow_slot=jnp.where((j == 0) & active, batch.virtual_cow_slot, 0),
-            num_steps=active.astype(jnp.int32))
+            batch,
+            layout=dataclasses.replace(lay, tokens=token, token_offset=jnp.where(active, 0, pad_offset),
+                                       has_state=active & (lay.has_state | (j > 0)), seq_start=lay.seq_start + j,
+                                       num_new=active.astype(jnp.int32), num_steps=active.astype(jnp.int32)),
+            slots=dataclasses.replace(ids, virtual_slot=jnp.where(active, ids.virtual_slot, 0),
+                                      virtual_pages=col(ids.virtual_pages), virtual_track_slot=col(ids.virtual_track_slot),
+                                      track_len=jnp.where(ids.track_len == j + 1, 1, 0).astype(jnp.int32),
+                                      virtual_cow_slot=jnp.where((j == 0) & active, ids.virtual_cow_slot, 0)))
         out, state = single_step(state, step_batch)
         tokens = tokens.at[:, j].set(out.tokens)
         logprobs = logprobs.at[:, j].set(out.logprobs)
         ran = ran + active.astype(jnp.int32)
         stopped = jnp.any((out.tokens[:, None] == stops) & (stops >= 0), axis=1)
-        active = active & ~stopped & (j + 1 < batch.num_steps)
+        active = active & ~stopped & (j + 1 < batch.layout.num_steps)
         return state, jnp.where(active, out.tokens, token), active, tokens, logprobs, ran, out.drafts
 
-    spec = batch.lookahead.shape[1] - 1
-    carry = (state, batch.tokens, batch.num_new > 0, jnp.zeros((b, steps), jnp.int32),
+    spec = batch.spec.lookahead.shape[1] - 1
+    carry = (state, batch.layout.tokens, batch.layout.num_new > 0, jnp.zeros((b, steps), jnp.int32),
              jnp.zeros((b, steps), jnp.float32), jnp.zeros(b, jnp.int32), jnp.zeros((b, spec), jnp.int32))
     state, _, _, tokens, logprobs, ran, drafts = jax.lax.fori_loop(0, steps, body, carry)
     return tokens, logprobs, ran, drafts, state

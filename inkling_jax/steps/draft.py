@@ -36,19 +36,19 @@ def draft_phase(params: Params, cfg: InklingConfig, layout: ArenaLayout, ops: An
     b, q = target_meta.rows.row_tokens.shape
     physical_slot = target_meta.physical_slot
     width = q + spec
-    s = batch.seq_start
+    s = batch.layout.seq_start
     e = s + commit  # the target's committed length after this step
     idx = jnp.arange(width)[None, :]
-    t_pack = batch.tokens.shape[0]
+    t_pack = batch.layout.tokens.shape[0]
 
     # lookahead stream la[i] = t_{s+1+i}: the row's own next tokens, then t_e, then t_{e+1}..
-    own = batch.tokens[jnp.clip(batch.query_start[:, None] + 1 + idx, 0, t_pack - 1)]
-    t_next = jnp.where(batch.sample_next, bonus, batch.lookahead[:, 0])
+    own = batch.layout.tokens[jnp.clip(batch.layout.query_start[:, None] + 1 + idx, 0, t_pack - 1)]
+    t_next = jnp.where(batch.spec.sample_next, bonus, batch.spec.lookahead[:, 0])
     la = jnp.where(idx < commit[:, None] - 1, own, t_next[:, None])
-    known_after = jnp.concatenate([batch.lookahead[:, 1:], jnp.zeros((b, width), jnp.int32)], axis=1)
+    known_after = jnp.concatenate([batch.spec.lookahead[:, 1:], jnp.zeros((b, width), jnp.int32)], axis=1)
     la = jnp.where(idx > commit[:, None] - 1, jnp.take_along_axis(known_after, jnp.maximum(idx - commit[:, None], 0),
                                                                   axis=1), la)
-    tracking = (track > 0) & (batch.num_new > 0)[:, None]  # [B, M]
+    tracking = (track > 0) & (batch.layout.num_new > 0)[:, None]  # [B, M]
     physical_track_slot = target_meta.physical_track_slot  # the sink where the target does not checkpoint
 
     packed_rows = (jnp.arange(b)[:, None] * width + idx).reshape(-1)
@@ -56,15 +56,15 @@ def draft_phase(params: Params, cfg: InklingConfig, layout: ArenaLayout, ops: An
     token_offset = jnp.tile(jnp.arange(width, dtype=jnp.int32), b)
     row_tokens = packed_rows.reshape(b, width)
 
-    h_prev = jnp.take(h_target, jnp.clip(batch.query_start[:, None] + idx, 0, t_pack - 1), axis=0)  # [B, W, H]
+    h_prev = jnp.take(h_target, jnp.clip(batch.layout.query_start[:, None] + idx, 0, t_pack - 1), axis=0)  # [B, W, H]
     # every depth's carried hidden as it was before this step (depth d - 1 rewrites its own)
     carries = [read_slot_field(arena, layout, physical_slot, f.hidden) for f in layout.draft[:-1]]
     drafts = []
     for d in range(spec):
         start = jnp.maximum(s - d, 0)
         shift = start - (s - d)  # 0 when s >= d
-        n_rows = jnp.where(batch.num_new > 0, e - start, 0)
-        n_commit = jnp.where(batch.num_new > 0, jnp.maximum(e - d - start, 0), 0)
+        n_rows = jnp.where(batch.layout.num_new > 0, e - start, 0)
+        n_commit = jnp.where(batch.layout.num_new > 0, jnp.maximum(e - d - start, 0), 0)
         n_track = jnp.where(tracking, jnp.maximum(track - shift[:, None], 0), 0)  # [B, M]
         fields = layout.draft[d]
         if d > 0:
@@ -101,6 +101,6 @@ def draft_phase(params: Params, cfg: InklingConfig, layout: ArenaLayout, ops: An
         last = h_out[jnp.arange(b), jnp.maximum(n_rows - 1, 0)]
         draft = jnp.argmax(L.lm_head(params, cfg, last, parallel), axis=-1).astype(jnp.int32)
         drafts.append(draft)
-        la = jnp.where(batch.sample_next[:, None] & (idx == commit[:, None] + d), draft[:, None], la)
+        la = jnp.where(batch.spec.sample_next[:, None] & (idx == commit[:, None] + d), draft[:, None], la)
         h_prev = h_out
     return arena, jnp.stack(drafts, axis=1)

@@ -72,12 +72,12 @@ class StepOutput:
 def target_meta(batch: StepBatch, query: int, physical_slot: Array, physical_track_slot: Array,
                 commit_len: Array, track_len: Array) -> RowMeta:
     """The target pass's rows: one row per request, its new tokens packed at query_start."""
-    t = batch.tokens.shape[0]
-    rows = PackedRows(token_row=batch.token_row, token_offset=batch.token_offset,
-                      row_tokens=jnp.clip(batch.query_start[:, None] + jnp.arange(query)[None, :], 0, t - 1),
-                      has_state=batch.has_state, commit_len=commit_len, track_len=track_len)
-    tracking = (track_len > 0) & (batch.num_new > 0)[:, None]
-    return RowMeta(rows=rows, seq_start=batch.seq_start, num_new=batch.num_new, physical_slot=physical_slot,
+    t = batch.layout.tokens.shape[0]
+    rows = PackedRows(token_row=batch.layout.token_row, token_offset=batch.layout.token_offset,
+                      row_tokens=jnp.clip(batch.layout.query_start[:, None] + jnp.arange(query)[None, :], 0, t - 1),
+                      has_state=batch.layout.has_state, commit_len=commit_len, track_len=track_len)
+    tracking = (track_len > 0) & (batch.layout.num_new > 0)[:, None]
+    return RowMeta(rows=rows, seq_start=batch.layout.seq_start, num_new=batch.layout.num_new, physical_slot=physical_slot,
                    physical_track_slot=jnp.where(tracking, physical_track_slot, 0))
 
 
@@ -100,9 +100,9 @@ class Translated:
 @jax.named_scope("prepare")
 def prepare(state: ServingState, batch: StepBatch, layout: ArenaLayout, ops: Any) -> tuple[Translated, Array]:
     """Translate the batch's ids, and apply copy-on-write restores (prefix hits) to the arena."""
-    ids = Translated(translate_slots(state, batch.virtual_slot), translate_slots(state, batch.virtual_track_slot),
-                     translate_pages(state, batch.virtual_pages))
-    physical_cow_slot = translate_slots(state, batch.virtual_cow_slot)
+    ids = Translated(translate_slots(state, batch.slots.virtual_slot), translate_slots(state, batch.slots.virtual_track_slot),
+                     translate_pages(state, batch.slots.virtual_pages))
+    physical_cow_slot = translate_slots(state, batch.slots.virtual_cow_slot)
     # rows that restore nothing copy sink -> sink: a no-op for the Pallas copy (no lax.cond
     # here: a conditional that may return the donated arena made XLA copy it whole at B = 1)
     dst = jnp.where(physical_cow_slot > 0, ids.physical_slot, 0)
@@ -122,13 +122,13 @@ def step_logits(params: Params, state: ServingState, batch: StepBatch, *, cfg: I
     for the harness's tests). `parallel`: as for `run_step`."""
     ops = conv_ops(use_pallas, interpret)
     ids, arena = prepare(state, batch, layout, ops)
-    meta = target_meta(batch, shape.query, ids.physical_slot, ids.physical_track_slot, batch.num_new,
-                       batch.track_len)
+    meta = target_meta(batch, shape.query, ids.physical_slot, ids.physical_track_slot, batch.layout.num_new,
+                       batch.slots.track_len)
     # (a subclass written before the mesh hook, with its own __init__, still works without one)
     mesh_kw = {} if parallel is None else {"parallel": parallel}
     ctx = context_cls(cfg, layout, ops, arena, meta, ids.physical_pages, **mesh_kw)
-    h = run_layers(params, cfg, layout, ctx, L.embed(params, cfg, batch.tokens, params["unembed"].dtype, parallel))
-    last = jnp.clip(batch.query_start + batch.num_new - 1, 0, h.shape[0] - 1)
+    h = run_layers(params, cfg, layout, ctx, L.embed(params, cfg, batch.layout.tokens, params["unembed"].dtype, parallel))
+    last = jnp.clip(batch.layout.query_start + batch.layout.num_new - 1, 0, h.shape[0] - 1)
     return L.lm_head(params, cfg, h[last], parallel), state.replace(arena=ctx.arena)
 
 
@@ -166,30 +166,30 @@ def single_step(params: Params, state: ServingState, batch: StepBatch, *, cfg: I
     spec = layout.spec_steps
     b = shape.batch
     verify = shape.mode == "verify"
-    meta = target_meta(batch, shape.query, ids.physical_slot, ids.physical_track_slot, batch.num_new,
-                       batch.track_len)
+    meta = target_meta(batch, shape.query, ids.physical_slot, ids.physical_track_slot, batch.layout.num_new,
+                       batch.slots.track_len)
     ctx = StepContext(cfg, layout, ops, arena, meta, ids.physical_pages, deferred=verify, parallel=parallel,
                       one_token_per_row=shape.mode == "decode")
-    h = run_layers(params, cfg, layout, ctx, L.embed(params, cfg, batch.tokens, params["unembed"].dtype, parallel))
+    h = run_layers(params, cfg, layout, ctx, L.embed(params, cfg, batch.layout.tokens, params["unembed"].dtype, parallel))
     ctx.write_ring_checkpoints()
 
     if verify:
         row_tokens = meta.rows.row_tokens
         logits = L.lm_head(params, cfg, h[row_tokens], parallel)  # [B, S+1, V]
-        drafts = batch.tokens[row_tokens[:, 1:]]  # [B, S]
-        n_acc, bonus, bonus_logp, draft_logp = accept_drafts(logits, drafts, batch, batch.seq_start + 1)
-        commit = jnp.where(batch.num_new > 0, n_acc + 1, 0)
-        track = jnp.where(commit[:, None] >= batch.track_len, batch.track_len, 0)
+        drafts = batch.layout.tokens[row_tokens[:, 1:]]  # [B, S]
+        n_acc, bonus, bonus_logp, draft_logp = accept_drafts(logits, drafts, batch.sampling, batch.spec.max_accept,
+                                                              batch.layout.seq_start + 1)
+        commit = jnp.where(batch.layout.num_new > 0, n_acc + 1, 0)
+        track = jnp.where(commit[:, None] >= batch.slots.track_len, batch.slots.track_len, 0)
         meta = target_meta(batch, shape.query, ids.physical_slot, ids.physical_track_slot, commit, track)
         ctx.commit(meta)
     else:
-        last = jnp.clip(batch.query_start + batch.num_new - 1, 0, h.shape[0] - 1)
+        last = jnp.clip(batch.layout.query_start + batch.layout.num_new - 1, 0, h.shape[0] - 1)
         logits = L.lm_head(params, cfg, h[last], parallel)
-        bonus, bonus_logp = sample_tokens(logits, batch.temperature, batch.top_k, batch.top_p, batch.seed,
-                                          batch.seq_start + batch.num_new)
+        bonus, bonus_logp = sample_tokens(logits, batch.sampling, batch.layout.seq_start + batch.layout.num_new)
         n_acc = jnp.zeros(b, jnp.int32)
         draft_logp = jnp.zeros((b, spec), jnp.float32)
-        commit, track = batch.num_new, batch.track_len
+        commit, track = batch.layout.num_new, batch.slots.track_len
     arena = ctx.arena
 
     new_drafts = jnp.zeros((b, spec), jnp.int32)
