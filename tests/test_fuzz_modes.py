@@ -12,9 +12,11 @@ plain engine does (no speculation: a request's draws depend on its seed and posi
 an aborted output is a prefix of it; a session's history is exactly its prompts and outputs;
 `check_invariants()` holds after every call.
 
-Default run: `DEFAULT_EXAMPLES` modes (derandomized: the same ones on every run), engines
-built per example, compiled programs shared across examples by the process-wide program
-cache. `INKLING_FUZZ_EXAMPLES=200` (and `INKLING_FUZZ_SEED` for other draws) runs longer.
+Default run: `DEFAULT_EXAMPLES` draws for each of the `ANCHORS` (speculation depth, decode
+steps, overlap, prefix cache fixed; every other knob and the schedule drawn), derandomized:
+the same draws on every run; engines built per example, compiled programs shared across
+examples by the process-wide program cache. `INKLING_FUZZ_EXAMPLES=50` (draws per anchor)
+and `INKLING_FUZZ_SEED` (other draws) run longer.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ CFG = ik.InklingConfig.tiny(num_layers=2, local_layer_ids=(0,), dense_layer_ids=
                             mtp_local_layer_ids=(1,))
 VOCAB = CFG.unpadded_vocab_size
 LOGPROB_ATOL = 1e-4  # fp32: steps of different shapes sum attention and MoE in other orders (~1e-6 seen)
-DEFAULT_EXAMPLES = 10
+DEFAULT_EXAMPLES = 2  # per anchor mode (ANCHORS)
 EXAMPLES = int(os.environ.get("INKLING_FUZZ_EXAMPLES", DEFAULT_EXAMPLES))
 SEED = os.environ.get("INKLING_FUZZ_SEED")
 MAX_HISTORY = 60  # tokens a sequence may reach (session histories included): one context bucket of 64
@@ -68,10 +70,20 @@ def plain(params):
 
 # ------------------------------------------------------------------ the draws
 
+# Each default run covers these anchors (speculation, decode steps, overlap, prefix cache); the
+# other knobs and the schedules are drawn. An anchor's None is drawn too.
+ANCHORS = [dict(spec_steps=0, decode_steps=4, overlap=True, cache="eager"),
+           dict(spec_steps=0, decode_steps=3, overlap=False, cache="lazy"),
+           dict(spec_steps=0, decode_steps=1, overlap=False, cache=None),
+           dict(spec_steps=1, decode_steps=None, overlap=False, cache="lazy"),
+           dict(spec_steps=2, decode_steps=None, overlap=False, cache="eager"),
+           dict(spec_steps=3, decode_steps=None, overlap=False, cache="off")]
+
+
 @st.composite
-def modes(draw) -> dict:
-    spec = draw(st.integers(0, 3))
-    decode_steps = draw(st.integers(1, 4))
+def modes(draw, anchor: dict) -> dict:
+    spec = anchor["spec_steps"]
+    decode_steps = anchor["decode_steps"] or draw(st.integers(1, 4))
     page_size = draw(st.sampled_from([4, 8]))
     interval = page_size * draw(st.integers(1, 3))
     if interval <= spec + 1:
@@ -79,10 +91,9 @@ def modes(draw) -> dict:
     max_running = draw(st.integers(1, 3))
     chunk = draw(st.sampled_from([1, 3, 8, 16]))
     max_step_tokens = draw(st.sampled_from(sorted({max(chunk, max_running, 8), 16})))
-    cache = draw(st.sampled_from(["off", "eager", "lazy"]))
+    cache = anchor["cache"] or draw(st.sampled_from(["off", "eager", "lazy"]))
     return dict(
-        spec_steps=spec, decode_steps=decode_steps,
-        overlap=draw(st.booleans()) if spec == 0 and decode_steps > 1 else False,
+        spec_steps=spec, decode_steps=decode_steps, overlap=anchor["overlap"],
         prefix_cache=cache != "off", ping_pong="lazy" if cache == "lazy" else "eager",
         pool=draw(st.sampled_from(["unified", "static"])), max_running=max_running, chunk_size=chunk,
         max_step_tokens=max_step_tokens, page_size=page_size, track_interval=interval,
@@ -214,10 +225,13 @@ def run_schedule(engine: ik.Engine, plain, schedule: list[dict], bases: list[lis
         engine.check_invariants()
 
 
+@pytest.mark.parametrize("anchor", ANCHORS, ids=lambda a: "spec{spec_steps}-K{decode_steps}-{cache}".format(**a)
+                         + ("-overlap" if a["overlap"] else ""))
 @settings(max_examples=EXAMPLES, deadline=None, derandomize=SEED is None, database=None,
           suppress_health_check=list(HealthCheck), print_blob=True)
-@given(mode=modes(), schedule=schedules(), oracle_drafts=st.booleans(), seed=st.integers(0, 2**16))
-def test_every_mode_matches_the_plain_engine(params, plain, mode, schedule, oracle_drafts, seed):
+@given(data=st.data(), schedule=schedules(), oracle_drafts=st.booleans(), seed=st.integers(0, 2**16))
+def test_every_mode_matches_the_plain_engine(params, plain, anchor, data, schedule, oracle_drafts, seed):
+    mode = data.draw(modes(anchor), label="mode")
     rng = np.random.RandomState(seed)
     bases = [list(rng.randint(3, VOCAB, 28)) for _ in range(3)]
     config = ik.EngineConfig(**mode)
@@ -242,4 +256,4 @@ def test_fuzz_coverage_report():
     """Prints what the fuzz run covered (`pytest -s`); fails if it covered nothing."""
     print("fuzz coverage:", dict(sorted(COVERAGE.items())))
     if COVERAGE:
-        assert COVERAGE["modes"] >= min(EXAMPLES, DEFAULT_EXAMPLES) and COVERAGE["tokens checked"] > 0
+        assert COVERAGE["modes"] >= len(ANCHORS) and COVERAGE["tokens checked"] > 0
