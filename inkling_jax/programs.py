@@ -5,7 +5,7 @@ of each padded move count, the zero serving state, the decode feed, the weight s
 comes from `request` / `get`, which look in three places:
 
   1. the process's program table, in memory: the `max_programs` most recently used (default
-     64, $INKLING_JAX_PROGRAMS_IN_MEMORY), so an engine built again with the same shapes, or a
+     32, $INKLING_JAX_PROGRAMS_IN_MEMORY), so an engine built again with the same shapes, or a
      second engine beside the first, uses the same executables;
   2. the executable cache on disk (`compile_cache.ExecutableStore`; on by default, under
      $XDG_CACHE_HOME (~/.cache)/inkling-jax/executables; `EngineConfig.executable_cache`,
@@ -17,8 +17,9 @@ comes from `request` / `get`, which look in three places:
 Who owns a program: the engine that uses it (`StepRunner` holds its steps, moves and feeds)
 as long as the engine lives, and the table besides, until it falls out of the table's bound.
 An executable nobody holds any more is freed with its memory mappings (each XLA:CPU
-executable keeps ~250 of the kernel's 65530 per process), so a process that builds and drops
-engines holds its live engines' programs plus at most `max_programs` more.
+executable keeps hundreds: ~720 for a step of the tiny preset, of the kernel's 65530 per
+process), so a process that builds and drops engines holds its live engines' programs plus at
+most `max_programs` more.
 `clear_program_cache()` empties the table (`jax.clear_caches()` empties JAX's own jit caches);
 `clear_executable_cache()` empties the directory.
 
@@ -72,7 +73,7 @@ log = logging.getLogger(__name__)
 
 PROGRAMS_ENV = "INKLING_JAX_PROGRAMS_IN_MEMORY"
 THREADS_ENV = "INKLING_JAX_COMPILE_THREADS"
-DEFAULT_MAX_PROGRAMS = 64
+DEFAULT_MAX_PROGRAMS = 32  # an XLA:CPU step of the tiny preset keeps ~720 mappings: 32 of them ~23k of 65530
 
 # Packages whose code is traced into programs: a global of theirs rebound after import (a
 # monkeypatched kernel, a tuned constant) changes what a program traces.
