@@ -39,7 +39,8 @@ lowers at a time (that is Python, under the GIL) while up to `compile_threads()`
 run beside it (they release the GIL; default: half the cores, $INKLING_JAX_COMPILE_THREADS,
 because an XLA:CPU compile of a large program already keeps ~1.6 cores busy: on 2 cores two
 step compiles side by side took longer each than both in turn). A program asked for without
-`background` is made at once in the caller's thread, beside the pool's. The pool only fills
+`background` is made at once in the caller's thread, beside the pool's, even one already
+queued there (taken out of the queue: a step never waits behind programs it does not need). The pool only fills
 the table and the disk cache; the engine takes programs from the futures under its own lock.
 Tracing runs in the pool only when the caller's thread has no thread-local JAX configuration
 (a `with jax.default_matmul_precision(...)` block): otherwise the caller traces and lowers,
@@ -125,7 +126,7 @@ class ProgramTable:
 
 TABLE = ProgramTable(cc.env_int(PROGRAMS_ENV, DEFAULT_MAX_PROGRAMS))
 _LOCK = threading.Lock()
-_INFLIGHT: dict[str, concurrent.futures.Future] = {}
+_INFLIGHT: dict[str, "_Job"] = {}
 _STATS = dict(memory_hits=0, loaded=0, load_seconds=0.0, compiled=0, lower_seconds=0.0, compile_seconds=0.0,
               stored=0)
 _POOL: concurrent.futures.ThreadPoolExecutor | None = None
@@ -404,10 +405,17 @@ def _plain_compile(lowered) -> Any:
 
 
 def _device_ids(compiled) -> list[int] | None:
-    try:
-        return [d.id for d in compiled._executable._unloaded_executable.device_assignment]
-    except AttributeError:
-        return None
+    """The ids of the devices an executable runs on, in its order (None: not found)."""
+    unloaded = getattr(getattr(compiled, "_executable", None), "_unloaded_executable", None)
+    for name in ("device_list", "device_assignment"):  # jax 0.10 / earlier
+        devices = getattr(unloaded, name, None)
+        if devices is not None:
+            return [d.id for d in devices]
+    for sharding in jax.tree_util.tree_leaves((compiled.input_shardings, compiled.output_shardings)):
+        devices = getattr(sharding, "_device_assignment", None)
+        if devices:
+            return [d.id for d in devices]
+    return None
 
 
 class _Job:
@@ -418,6 +426,7 @@ class _Job:
         self.future, self.key, self.digest = future, key, digest
         self.make, self.args, self.compile, self.store, self.generation = make, args, compile, store, generation
         self.lowered = None
+        self.started = False  # claimed by a thread (under _LOCK): the pool's, or a caller that needs it now
         self.pooled = False  # in the pool: lowering and compiling take turns (see the module docstring)
 
     def load(self) -> Any:
@@ -432,8 +441,8 @@ class _Job:
             from jax.experimental.serialize_executable import deserialize_and_load
 
             by_id = {d.id: d for d in jax.devices()}
-            devices = None if device_ids is None else [by_id[i] for i in device_ids]
-            program = deserialize_and_load(serialized, in_tree, out_tree, execution_devices=devices)
+            program = deserialize_and_load(serialized, in_tree, out_tree,
+                                           execution_devices=[by_id[i] for i in device_ids])
         except Exception as exc:  # noqa: BLE001 - whatever the entry holds, compile instead
             warnings.warn(f"executable cache entry {self.store.entry_path(self.key)}: cannot be loaded "
                           f"({type(exc).__name__}: {exc}); compiling the program afresh", cc.ExecutableCacheWarning)
@@ -464,19 +473,30 @@ class _Job:
         try:
             from jax.experimental.serialize_executable import serialize
 
+            device_ids = _device_ids(program)
+            if device_ids is None:
+                raise ValueError("its devices are unknown")
             serialized, in_tree, out_tree = serialize(program)
-            payload = pickle.dumps((serialized, in_tree, out_tree, _device_ids(program)), pickle.HIGHEST_PROTOCOL)
+            payload = pickle.dumps((serialized, in_tree, out_tree, device_ids), pickle.HIGHEST_PROTOCOL)
         except Exception as exc:  # noqa: BLE001 - not serializable here: it stays in memory only
             log.debug("program not serializable (%s: %s); not stored", type(exc).__name__, exc)
             return
         self.store.write(self.key, payload)
         _count(stored=1)
 
-    def run(self, lowered: bool = False) -> None:
-        """The whole job (lowered: the caller lowered already, or found nothing to load)."""
+    def run_unless_claimed(self) -> None:
+        """The pool's turn: run, unless a caller that needed the program took it first."""
+        with _LOCK:
+            if self.started:
+                return
+            self.started = True
+        self.run()
+
+    def run(self) -> None:
+        """The whole job, by the thread that claimed it (nothing to load once lowered)."""
         self.pooled = threading.current_thread().name.startswith("inkling-programs")
         try:
-            program = None if lowered else self.load()
+            program = None if self.lowered is not None else self.load()
             if program is None:
                 program = self.build()
         except BaseException as exc:  # noqa: BLE001 - handed to whoever waits for the program
@@ -519,10 +539,14 @@ def request(kind: str, spec: Any, make: Callable[[], Any], args: tuple = (), *, 
     kind, spec: what the program is (spec: anything `canon` reproduces: configs, shapes,
     meshes). args: arrays or ShapeDtypeStructs (only their shapes, dtypes and shardings are
     used). cache: the executable cache setting ("auto", a directory, None).
-    background: make it in the compile pool; otherwise it is made before this returns."""
+    background: make it in the compile pool; otherwise it is made before this returns (a
+    program already waiting in the pool's queue is taken out and made here, at once)."""
     args = jax.tree_util.tree_map(abstract, tuple(args))
     key = program_key(kind, spec, args, options)
     digest = hashlib.sha256(key.encode()).hexdigest()
+    # a process with patched library globals keeps its programs to itself
+    store = None if "\npatches \n" not in key else _store(cache)
+    pooled = background and trace_context() == _pool_context()
     with _LOCK:
         program = TABLE.get(digest)
         if program is not None:
@@ -530,21 +554,22 @@ def request(kind: str, spec: Any, make: Callable[[], Any], args: tuple = (), *, 
             future = concurrent.futures.Future()
             future.set_result(program)
             return future
-        future = _INFLIGHT.get(digest)
-        if future is not None:
-            return future
-        future = _INFLIGHT[digest] = concurrent.futures.Future()
-        generation = TABLE.generation
-    # a process with patched library globals keeps its programs to itself
-    store = None if "\npatches \n" not in key else _store(cache)
-    job = _Job(future, key, digest, make, args, compile or _plain_compile, store, generation)
-    if not background:
+        job = _INFLIGHT.get(digest)
+        if job is not None:
+            if background or job.started:
+                return job.future
+            job.started = stolen = True  # queued, not started, and needed now
+        else:
+            job = _INFLIGHT[digest] = _Job(concurrent.futures.Future(), key, digest, make, args,
+                                           compile or _plain_compile, store, TABLE.generation)
+            job.started, stolen = not pooled, False
+    if stolen or not background:
         job.run()
-    elif trace_context() == _pool_context():
-        _pool().submit(job.run)
+    elif pooled:
+        _pool().submit(job.run_unless_claimed)
     elif not job.load_or_lower():  # thread-local JAX settings: trace here, compile there
-        _pool().submit(job.run, True)
-    return future
+        _pool().submit(job.run)
+    return job.future
 
 
 def get(kind: str, spec: Any, make: Callable[[], Any], args: tuple = (), **kw: Any) -> Any:

@@ -150,6 +150,35 @@ def test_thread_local_settings_trace_in_the_callers_thread():
     np.testing.assert_array_equal(np.asarray(precise(x)), 4 * x)
 
 
+def test_a_program_needed_now_is_taken_out_of_the_queue():
+    """With every pool worker busy, a program queued in the background and then needed
+    (asked for without background) is made at once in the caller's thread, not after the
+    queue."""
+    release = threading.Event()
+
+    def blocked():
+        release.wait(60)
+        return jax.jit(lambda x: x - 1)
+
+    x = np.zeros(2, np.float32)
+    busy = [programs.request("test_busy", {"i": i}, blocked, (x,), cache=None, background=True)
+            for i in range(programs._pool()._max_workers)]
+    made_in = []
+
+    def make():
+        made_in.append(threading.current_thread())
+        return jax.jit(lambda x: x + 2)
+
+    queued = programs.request("test_needed", {}, make, (x,), cache=None, background=True)
+    try:
+        needed = programs.get("test_needed", {}, make, (x,), cache=None)
+        assert made_in == [threading.current_thread()] and queued.result(timeout=0) is needed
+        assert not any(f.done() for f in busy)
+    finally:
+        release.set()
+    assert [float(f.result(timeout=60)(x)[0]) for f in busy] == [-1.0] * len(busy)
+
+
 def test_a_patched_library_global_gets_its_own_program(monkeypatch, tmp_path):
     """A global of a traced module rebound after import (a test's spy, a benchmark's constant)
     is in the key: the spy is traced although the program is cached, and the patched program
@@ -300,6 +329,36 @@ def test_two_processes_fill_one_cache_at_once(tmp_path):
             for n in range(1, 13):
                 np.testing.assert_array_equal(np.asarray(add_one(tmp_path, n)(np.zeros(n, np.float32))), np.ones(n))
     assert compiles[0] == 0
+
+
+ON_FOUR = """
+import sys
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+from inkling_jax import programs
+zeros = programs.get("test_zeros", {}, lambda: jax.jit(lambda: jnp.zeros(3)), cache=sys.argv[1])
+assert zeros().sharding.device_set == {jax.devices()[0]}
+mesh = jax.make_mesh((4,), ("x",))
+arg = jax.ShapeDtypeStruct((4, 2), jnp.float32, sharding=NamedSharding(mesh, PartitionSpec("x")))
+double = programs.get("test_double", {}, lambda: jax.jit(lambda a: 2 * a), (arg,), cache=sys.argv[1])
+out = double(jax.device_put(np.ones((4, 2), np.float32), arg.sharding))
+assert out.sharding.device_set == set(jax.devices()) and float(out.sum()) == 16.0
+print(programs.program_stats()["loaded"])
+"""
+
+
+def test_programs_load_onto_their_own_devices(tmp_path):
+    """On a host of four devices, a program without arguments (one device) and one over all
+    four are stored, then loaded by a second process onto the same devices each."""
+    env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu",
+               XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4")
+    loaded = []
+    for _ in range(2):
+        run = subprocess.run([sys.executable, "-c", ON_FOUR, str(tmp_path)], env=env, capture_output=True,
+                             text=True, timeout=300)
+        assert run.returncode == 0, run.stderr[-3000:]
+        loaded.append(int(run.stdout.split()[-1]))
+    assert loaded == [0, 2]
 
 
 SERVE = """
