@@ -497,6 +497,7 @@ class _Job:
         self.pooled = threading.current_thread().name.startswith("inkling-programs")
         try:
             program = None if self.lowered is not None else self.load()
+            self.future.source = "disk" if program is not None else "compiled"
             if program is None:
                 program = self.build()
         except BaseException as exc:  # noqa: BLE001 - handed to whoever waits for the program
@@ -509,6 +510,7 @@ class _Job:
         to compile (False)."""
         try:
             program = self.load()
+            self.future.source = "disk" if program is not None else "compiled"
             if program is None:
                 self.lower()
                 return False
@@ -534,7 +536,8 @@ def request(kind: str, spec: Any, make: Callable[[], Any], args: tuple = (), *, 
             compile: Callable[[Any], Any] | None = None, cache: str | None = "auto",
             background: bool = False) -> concurrent.futures.Future:
     """A future of the compiled program `make().lower(*args)`, compiled by `compile`
-    (default: `.compile()`; `options`: the compile options it passes, part of the key).
+    (default: `.compile()`; `options`: the compile options it passes, part of the key). Its
+    `source` says where the program came from: "memory" (the table), "disk", "compiled".
 
     kind, spec: what the program is (spec: anything `canon` reproduces: configs, shapes,
     meshes). args: arrays or ShapeDtypeStructs (only their shapes, dtypes and shardings are
@@ -552,6 +555,7 @@ def request(kind: str, spec: Any, make: Callable[[], Any], args: tuple = (), *, 
         if program is not None:
             _STATS["memory_hits"] += 1
             future = concurrent.futures.Future()
+            future.source = "memory"
             future.set_result(program)
             return future
         job = _INFLIGHT.get(digest)

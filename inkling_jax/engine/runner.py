@@ -14,7 +14,7 @@ feeds) for as long as it lives: a dropped engine's programs are freed once they 
 of the table. `warmup()` makes every bucket the scheduler can pick, and the compaction copy
 for every move count it pads to, concurrently in the compile pool (`wait=False`: in the
 background, a step then waits only for its own program); `stats` counts the step executables
-this engine needed and the seconds it waited for programs.
+this engine needed and the seconds it waited for those not already in the process.
 
 With a `ShardPlan` (`Engine(..., mesh=)`) the runner holds the mesh's serving state (the
 arena [num_units, tp, unit_elems_local] sharded over "tp", the id tables replicated; see
@@ -249,14 +249,16 @@ class StepRunner:
 
     def _program(self, kind: str, key: Any) -> Any:
         """This engine's program of that kind and key: its own, the one warmup asked for, or
-        one made now; the wait counts in stats["compile_seconds"]."""
+        one made now; the wait for a step not in the process's table counts in
+        stats["compile_seconds"]."""
         table = self._programs[kind]
         fn = table.get(key)
         if fn is None:
             t0 = time.perf_counter()
             future = self._pending.pop((kind, key), None) or self._requester(kind, key)(background=False)
             fn = table[key] = future.result()
-            self.stats["compile_seconds"] += time.perf_counter() - t0
+            if kind == "step" and getattr(future, "source", None) != "memory":
+                self.stats["compile_seconds"] += time.perf_counter() - t0
         return fn
 
     def compiled_step(self, shape: StepShape):
