@@ -41,7 +41,6 @@ from jax.sharding import NamedSharding, PartitionSpec
 from pallas_kernels import conv_ops
 
 from .. import programs
-
 from ..cache.layout import ArenaLayout
 from ..cache.pool import UnitPool
 from ..cache.state import ServingState, init_state, read_slot_field
