@@ -20,3 +20,8 @@ __all__ += ["load_pretrained", "save_pretrained", "save_checkpoint", "load_check
 from .engine import Completion, Engine, EngineConfig, SamplingParams  # noqa: E402
 
 __all__ += ["Engine", "EngineConfig", "SamplingParams", "Completion"]
+
+from .programs import clear_executable_cache, clear_program_cache, patches as _first_sight  # noqa: E402
+
+__all__ += ["clear_program_cache", "clear_executable_cache"]
+_first_sight()  # the library's globals as imported: a later rebinding (a spy) keeps its own programs

@@ -15,7 +15,11 @@ Prints the completions, then a stats table (with the accept lengths under --spec
 The engine geometry is sized from the prompts so that one run compiles few step shapes: one
 batch bucket (max_running rows), one token bucket (max_step_tokens) and one context bucket
 (the longest prompt plus max_new_tokens, rounded up to a power of two): an extend step and a
-decode step, both compiled up front (`--no-warmup` compiles them lazily instead).
+decode step, warmed up in the background from the start (they compile concurrently, and the
+first step waits only for its own program; `--no-warmup` compiles each when first used).
+Compiled programs are kept in the executable cache (`inkling_jax/programs.py`; default
+~/.cache/inkling-jax/executables, $INKLING_JAX_EXECUTABLE_CACHE=off turns it off), so a later
+run loads them instead of compiling; `--clear-compile-cache` empties it and exits.
 
 Serving on a mesh: `--tp N --ep M` builds `make_mesh(tp=N, ep=M)` over the first N * M
 devices and runs `Engine(..., mesh=)` (tensor parallel over heads, MLP widths and vocab;
@@ -243,11 +247,12 @@ def format_stats(res: RunResult, num_prompt_tokens: int, warmup_s: float, spec_s
     rows = [
         ("requests", f"{len(res.completions)}"),
         ("generated tokens", f"{gen}"),
-        ("wall time", f"{res.wall_s:.3f} s ({res.compile_s:.2f} s of it compiling)"),
+        ("wall time", f"{res.wall_s:.3f} s ({res.compile_s:.2f} s of it waiting for compiled programs)"),
         ("tokens/s", f"{gen / run_s:.1f} (generated tokens / wall time excluding compile)"),
         ("time to first token", f"mean {1e3 * sum(ttft) / len(ttft):.1f} ms, max {1e3 * max(ttft):.1f} ms"),
         ("steps", f"{s['steps']} (extend {s['extend_steps']}, decode {s['decode_steps']})"),
-        ("compiles", f"{s['compiles']} ({s['compile_seconds']:.2f} s; {warmup_s:.2f} s before the run)"),
+        ("compiles", f"{s['compiles']} step programs ({s['compile_seconds']:.2f} s waiting for programs; "
+                     f"{warmup_s:.2f} s of warm-up before the run)"),
         ("cache-hit tokens", f"{cached} of {num_prompt_tokens} prompt tokens"),
         ("accept length", accept),
         ("pool", f"{s['live_slots']} slots / {s['live_pages']} pages live, "
@@ -295,6 +300,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--compile-cache", metavar="DIR", default=None,
                     help="persistent XLA compilation cache directory: later runs with the same shapes load "
                          "the compiled steps instead of compiling them (off by default)")
+    ap.add_argument("--clear-compile-cache", action="store_true",
+                    help="remove this library's compiled programs (the executable cache: $INKLING_JAX_EXECUTABLE_CACHE "
+                         "or ~/.cache/inkling-jax/executables; and its XLA cache ~/.cache/inkling-jax/xla) and exit")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     mesh = ap.add_argument_group("mesh", "serve on several devices (Engine(..., mesh=make_mesh(tp, ep)))")
     mesh.add_argument("--tp", type=int, default=None, help="tensor-parallel devices: heads, MLP widths, vocab")
@@ -309,6 +317,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.clear_compile_cache:
+        from .compile_cache import clear_library_xla_cache, executable_cache_dir
+        from .programs import clear_executable_cache
+
+        removed = clear_executable_cache()
+        print(f"removed {removed} executable cache entries from {executable_cache_dir() or '(off)'}")
+        path = clear_library_xla_cache()
+        if path:
+            print(f"removed the XLA compilation cache {path}")
+        return 0
     try:
         init_distributed(args)  # first: before anything touches a device
         return _main(args)
@@ -389,9 +407,8 @@ def _main(args: argparse.Namespace) -> int:
     warmup_s = 0.0
     if not args.no_warmup:
         t1 = time.perf_counter()
-        engine.warmup()
+        engine.warmup(wait=False)  # in the background: the first step waits only for its own program
         warmup_s = time.perf_counter() - t1
-        say(f"compiled {engine.stats()['compiles']} step shapes in {warmup_s:.2f} s")
 
     res = run(engine, prompts, sampling, progress=printing and not args.no_progress)
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # The suite is dominated by XLA:CPU compiles of small programs; LLVM's backend optimisations
@@ -196,14 +198,47 @@ def _free_compiled_programs():
     """Drop every compiled program after each test module. Each XLA:CPU executable keeps
     memory mappings of its code; the suite compiles thousands of programs, and one process
     past the kernel's limit of mappings (vm.max_map_count, 65530) segfaults in its next
-    compile (seen at ~90 % of the suite)."""
+    compile (seen at ~90 % of the suite). The run's executable cache (pytest_configure)
+    keeps them on disk for the modules and workers after."""
     yield
-    from inkling_jax.engine import runner
-
-    runner._COMPILED.clear()
-    runner._MOVES.clear()
+    ik.clear_program_cache()
     jax.clear_caches()
     gc.collect()
+
+
+# ------------------------------------------------ one executable cache per test run
+
+_RUN_CACHE = "inkling_jax_executable_cache"  # workerinput key
+
+
+def pytest_configure(config):
+    """One executable cache directory per test run (`inkling_jax.programs`), shared by the
+    pytest-xdist workers and the subprocesses tests start: a program compiled in one module or
+    worker is loaded in another. The controller makes it and removes it at the end;
+    $INKLING_JAX_EXECUTABLE_CACHE set by the caller wins (a directory kept across runs, or off)."""
+    from inkling_jax.compile_cache import EXECUTABLE_CACHE_ENV
+
+    workerinput = getattr(config, "workerinput", None)
+    if workerinput is not None:  # an xdist worker: the controller's directory
+        if workerinput.get(_RUN_CACHE):
+            os.environ[EXECUTABLE_CACHE_ENV] = workerinput[_RUN_CACHE]
+        return
+    if EXECUTABLE_CACHE_ENV not in os.environ:
+        config._inkling_run_cache = os.environ[EXECUTABLE_CACHE_ENV] = tempfile.mkdtemp(prefix="inkling-jax-tests-")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    """xdist: hand the run's executable cache directory to each worker."""
+    from inkling_jax.compile_cache import EXECUTABLE_CACHE_ENV
+
+    node.workerinput[_RUN_CACHE] = os.environ.get(EXECUTABLE_CACHE_ENV, "")
+
+
+def pytest_unconfigure(config):
+    path = getattr(config, "_inkling_run_cache", None)
+    if path:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 # ------------------------------------------------------------ tests on 8 host devices

@@ -41,6 +41,8 @@ class EngineConfig:
     warmup: bool = False  # compile every bucket at construction
     max_stop_ids: int = DEFAULT_MAX_STOP_IDS  # stop tokens a request may have (its eos included)
     compile_cache_dir: str | None = "auto"  # persistent XLA cache: "auto" (GPU: ~/.cache/inkling-jax/xla), a path, None
+    executable_cache: str | None = "auto"  # compiled programs on disk: "auto" ($INKLING_JAX_EXECUTABLE_CACHE, else
+    #                                        ~/.cache/inkling-jax/executables), a directory, None (off)
 
     def __post_init__(self):
         self.validate()
@@ -76,6 +78,8 @@ class EngineConfig:
              f"use_pallas must be True, False or 'auto', got {self.use_pallas!r}")
         need(self.compile_cache_dir is None or isinstance(self.compile_cache_dir, str),
              f"compile_cache_dir must be 'auto', a directory or None, got {self.compile_cache_dir!r}")
+        need(self.executable_cache is None or isinstance(self.executable_cache, str),
+             f"executable_cache must be 'auto', a directory or None, got {self.executable_cache!r}")
         need(self.track_interval % self.page_size == 0, "track_interval must be a multiple of page_size")
         need(self.chunk_size <= self.max_step_tokens, "need chunk_size <= max_step_tokens")
         need(self.max_step_tokens >= self.max_running, "max_step_tokens must be >= max_running")

@@ -400,11 +400,13 @@ class Engine:
 
     # ---------------------------------------------------------------- the rest
 
-    def warmup(self) -> None:
+    def warmup(self, wait: bool = True) -> None:
         """Compile everything serving can use: every step bucket (decode or verify, and
-        extend) and the compaction copy for every move count; afterwards nothing compiles."""
+        extend) and the compaction copy for every move count, concurrently; afterwards nothing
+        compiles. wait=False: return at once and let them compile in the background (a step
+        waits only for its own program)."""
         with self._lock:
-            self.runner.warmup(max_move_units=self.pool.num_units, overlap=self.runner.overlap)
+            self.runner.warmup(max_move_units=self.pool.num_units, overlap=self.runner.overlap, wait=wait)
 
     def stats(self) -> dict[str, Any]:
         with self._lock:

@@ -166,7 +166,7 @@ class FakeRunner(StepRunner):
         self.compiled[shape] = None
         return None
 
-    def warmup(self, max_move_units: int, overlap: bool = False) -> None:
+    def warmup(self, max_move_units: int, overlap: bool = False, wait: bool = True) -> None:
         return None
 
     def state_lost(self) -> bool:

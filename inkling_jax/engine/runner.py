@@ -7,10 +7,14 @@ The host policy (`scheduler.py`) decides *what* runs; the runner runs it:
     runner.apply_pool(pool)                            # compaction moves + id tables -> device (atomic)
     out = runner.run(shape, batch)                     # one compiled step (state donated)
 
-Compiled steps are cached per engine (`compiled`) and process-wide (engines with the same
-model, layout and state geometry share executables). `warmup()` compiles every bucket the
-scheduler can pick, and the compaction copy for every move count it pads to; `stats` counts
-the step executables this engine needed and their compile time.
+Every program (the steps, the compaction copies, the zero state, the decode feed) comes from
+`inkling_jax/programs.py`: the process's bounded program table, then the executable cache on
+disk, else a compile. The runner holds the programs it uses (`compiled`, its moves and
+feeds) for as long as it lives: a dropped engine's programs are freed once they also fall out
+of the table. `warmup()` makes every bucket the scheduler can pick, and the compaction copy
+for every move count it pads to, concurrently in the compile pool (`wait=False`: in the
+background, a step then waits only for its own program); `stats` counts the step executables
+this engine needed and the seconds it waited for those not already in the process.
 
 With a `ShardPlan` (`Engine(..., mesh=)`) the runner holds the mesh's serving state (the
 arena [num_units, tp, unit_elems_local] sharded over "tp", the id tables replicated; see
@@ -25,9 +29,10 @@ import dataclasses
 import math
 import os
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
-from functools import lru_cache
-from typing import Any, Callable
+from functools import partial
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -36,6 +41,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from pallas_kernels import conv_ops
 from pallas_kernels._common import pow2_ceil
 
+from .. import programs
 from ..cache.layout import ArenaLayout
 from ..cache.pool import UnitPool
 from ..cache.state import ServingState, init_state, read_slot_field
@@ -45,14 +51,13 @@ from ..parallel import serving
 from ..parallel.plan import ShardPlan
 from ..parallel.planner import MemoryPlan
 from ..steps import StepBatch, StepOutput, StepShape, check_batch, compile_lowered, compile_step, feed_decode
+from ..steps.program import gpu_step_options
 from .config import EngineConfig
 from .interrupts import critical
 
-# Compiled steps shared by engines of the same model, layout and state geometry (a process-wide
-# jit cache: an engine rebuilt with the same shapes does not compile again). Compaction copies
-# likewise, per padded move count.
-_COMPILED: dict[Any, Any] = {}
-_MOVES: dict[Any, Any] = {}
+# The process-wide program table (`programs.TABLE`; an alias for scripts that read or clear
+# it: `ik.clear_program_cache()` is the public way).
+_COMPILED = programs.TABLE
 
 
 @dataclass
@@ -62,13 +67,6 @@ class DecodeFeed:
     prev: StepOutput  # the previous dispatch's outputs, still on the device
     rows: np.ndarray  # [rows] int32: the previous dispatch's row each row continues
     steps: np.ndarray  # [rows] int32: the steps that row was planned for
-
-
-@lru_cache(maxsize=None)
-def _zeros_probe(shape: tuple[int, ...], sharding) -> Callable:
-    """jit(params, state) -> int32 zeros [shape]: see Runner._like_step_outputs."""
-    # keep_unused: a pruned argument would not count towards the outputs' commitment
-    return jax.jit(lambda params, state: jnp.zeros(shape, jnp.int32), out_shardings=sharding, keep_unused=True)
 
 
 def pad_to(x: np.ndarray, n: int, value: int) -> np.ndarray:
@@ -174,6 +172,7 @@ class StepRunner:
         self.decode_steps = resolve_decode_steps(config)
         self.overlap = resolve_overlap(config, self.decode_steps)
         self.compile_cache_dir = enable_compile_cache(config.compile_cache_dir)
+        self.executable_cache = config.executable_cache  # programs.request's cache setting
         self.ops = conv_ops(self.use_pallas, config.pallas_interpret)
         self.dtype = params["unembed"].dtype
         self.state: ServingState = self._zero_state(pool)
@@ -185,15 +184,23 @@ class StepRunner:
         top_p = pow2_ceil(math.ceil(max_context / config.page_size))
         self.page_buckets = ladder(top_p, min(top_p, pow2_ceil(math.ceil(config.min_context_bucket / config.page_size))))
         self.extend_checkpoints = extend_checkpoints  # M of extend steps (decode / verify: 1)
-        self.compiled: dict[StepShape, Any] = {}
-        self._move_fns: dict[int, Any] = {}
+        # the programs this engine uses, by kind: steps by StepShape, unit copies by padded
+        # move count, decode feeds by (batch bucket, previous batch bucket)
+        self._programs: dict[str, dict[Any, Any]] = {"step": {}, "move": {}, "feed": {}}
+        self.compiled: dict[StepShape, Any] = self._programs["step"]
+        self._pending: dict[tuple[str, Any], Future] = {}  # asked for by warmup(wait=False), not taken yet
         self.stats = dict(compiles=0, compile_seconds=0.0)
 
     def _zero_state(self, pool: UnitPool) -> ServingState:
         slots, pages = len(pool.slots.v2p) - 1, len(pool.pages.v2p) - 1
-        if self.plan is None:
-            return init_state(self.layout, pool.num_units, slots, pages, self.dtype)
-        return serving.init_sharded_state(self.plan, self.layout, pool.num_units, slots, pages, self.dtype)
+        if self.plan is not None:
+            return serving.init_sharded_state(self.plan, self.layout, pool.num_units, slots, pages, self.dtype,
+                                              cache=self.executable_cache)
+        shapes = (self.layout, pool.num_units, slots, pages, jnp.dtype(self.dtype))
+        spec = dict(shapes=shapes, device=getattr(jax.config, "jax_default_device", None))
+        zeros = programs.get("zero_state", spec, lambda: jax.jit(partial(init_state, *shapes)),
+                             cache=self.executable_cache)
+        return zeros()
 
     def _device_table(self, table: np.ndarray) -> jax.Array:
         """An id table as the step takes it (replicated over the mesh with a plan)."""
@@ -228,59 +235,83 @@ class StepRunner:
 
     # --------------------------------------------------------------- compiling
 
-    def compiled_step(self, shape: StepShape):
-        fn = self.compiled.get(shape)
+    def _requester(self, kind: str, key: Any):
+        """request(background) -> a future of the program of that kind and key."""
+        if kind == "step":
+            return partial(self._request_step, key)
+        if kind == "move":
+            return partial(self._request_move, key)
+        return partial(self._request_feed, *key)
+
+    def _program(self, kind: str, key: Any) -> Any:
+        """This engine's program of that kind and key: its own, the one warmup asked for, or
+        one made now; the wait for a step not in the process's table counts in
+        stats["compile_seconds"]."""
+        table = self._programs[kind]
+        fn = table.get(key)
         if fn is None:
-            key = (self.cfg, self.layout, shape, self.use_pallas, self.config.pallas_interpret,
-                   None if self.plan is None else self.plan.mesh,
-                   jax.tree_util.tree_structure(self.params),
-                   tuple((x.shape, str(x.dtype)) for x in jax.tree_util.tree_leaves((self.params, self.state))))
-            fn = _COMPILED.get(key)
-            if fn is None:
-                t0 = time.perf_counter()
-                if self.plan is None:
-                    jitted = compile_step(self.cfg, self.layout, shape, self.use_pallas, self.config.pallas_interpret)
-                else:
-                    jitted = serving.compile_sharded_step(self.plan, self.layout, shape, self.use_pallas,
-                                                          self.config.pallas_interpret)
-                fn = compile_lowered(jitted.lower(self.params, self.state, self.empty_batch(shape)))
+            t0 = time.perf_counter()
+            future = self._pending.pop((kind, key), None) or self._requester(kind, key)(background=False)
+            fn = table[key] = future.result()
+            if kind == "step" and getattr(future, "source", None) != "memory":
                 self.stats["compile_seconds"] += time.perf_counter() - t0
-                _COMPILED[key] = fn
-            self.stats["compiles"] += 1  # executables this engine needed (process-wide cache hits included)
-            self.compiled[shape] = fn
         return fn
 
-    def warmup(self, max_move_units: int, overlap: bool = False) -> None:
-        """Compile every bucket the scheduler can pick, and the compaction copy for every
-        padded move count up to max_move_units (with overlap, the decode feed for every pair
-        of batch buckets too): nothing compiles while serving."""
-        for shape in self.all_shapes():
-            self.compiled_step(shape)
-        if overlap:
-            ns, k = self.config.max_stop_ids, self.decode_steps
-            i32 = lambda *n: np.zeros(n, np.int32)
-            for b in self.batch_buckets:
-                for bp in self.batch_buckets:
-                    feed_decode(i32(b), i32(b), i32(b), i32(b, ns), self._like_step_outputs(bp, k),
-                                self._like_step_outputs(bp), i32(b), i32(b))
+    def compiled_step(self, shape: StepShape):
+        if shape not in self.compiled:
+            self.stats["compiles"] += 1  # executables this engine needed (table and disk cache hits included)
+        return self._program("step", shape)
+
+    def _request_step(self, shape: StepShape, background: bool) -> Future:
+        args = (self.cfg, self.layout, shape, self.use_pallas, self.config.pallas_interpret)
+        if self.plan is None:
+            make = partial(compile_step, *args)
+        else:
+            make = partial(serving.compile_sharded_step, self.plan, *args[1:])
+        spec = dict(cfg=self.cfg, layout=self.layout, shape=shape, use_pallas=self.use_pallas,
+                    interpret=self.config.pallas_interpret, mesh=None if self.plan is None else self.plan.mesh)
+        options = gpu_step_options() if jax.default_backend() == "gpu" else {}
+        return programs.request("step", spec, make, (self.params, self.state, self.empty_batch(shape)),
+                                options=options, compile=compile_lowered, cache=self.executable_cache,
+                                background=background)
+
+    def warmup(self, max_move_units: int, overlap: bool = False, wait: bool = True) -> None:
+        """Make every bucket the scheduler can pick, and the compaction copy for every padded
+        move count up to max_move_units (with overlap, the decode feed for every pair of batch
+        buckets too), concurrently in the compile pool (extend steps first: a prefill comes
+        first). wait: return once all are ready (nothing compiles while serving); False: return
+        at once, each step waiting only for the program it runs."""
+        wanted = [("step", shape) for shape in sorted(self.all_shapes(), key=lambda s: s.mode != "extend")]
         n = 1
         while True:
-            self._move_fn(n)
+            wanted.append(("move", n))
             if n >= max_move_units:
                 break
             n *= 2
+        if overlap:
+            wanted += [("feed", (b, bp)) for b in self.batch_buckets for bp in self.batch_buckets]
+        for kind, key in wanted:
+            if key not in self._programs[kind] and (kind, key) not in self._pending:
+                self._pending[(kind, key)] = self._requester(kind, key)(background=True)
+        if wait:
+            for kind, key in wanted:
+                if kind == "step":
+                    self.compiled_step(key)
+                else:
+                    self._program(kind, key)
 
     # ---------------------------------------------------------------- running
 
-    def _like_step_outputs(self, *shape: int) -> jax.Array:
-        """int32 zeros [shape] placed and committed as a step's outputs are (one device, or
-        replicated over the mesh): what warm-up feeds the decode feed in place of a step's
-        outputs. A jit compiles per input placement *and* commitment, and a jit's outputs are
-        committed when one of its inputs is (params placed by the caller, say): the probe takes
-        the step's params and state, so it follows the same rule. (Committing uncommitted outputs
-        at serving time instead copies them: 1.9 ms of host time per call on a 2-core CPU.)"""
-        sharding = None if self.plan is None else NamedSharding(self.plan.mesh, PartitionSpec())
-        return _zeros_probe(shape, sharding)(self.params, self.state)
+    def _request_feed(self, b: int, bp: int, background: bool) -> Future:
+        """The decode feed of a batch of b rows from a previous dispatch of bp rows, whose
+        outputs are placed as a step's are (one device, or replicated over the mesh)."""
+        placed = self.state.arena.sharding if self.plan is None else NamedSharding(self.plan.mesh, PartitionSpec())
+        host = lambda *n: jax.ShapeDtypeStruct(n, jnp.int32)
+        dev = lambda *n: jax.ShapeDtypeStruct(n, jnp.int32, sharding=placed)
+        args = (host(b), host(b), host(b), host(b, self.config.max_stop_ids), dev(bp, self.decode_steps), dev(bp),
+                host(b), host(b))
+        return programs.request("feed_decode", {}, lambda: feed_decode, args, cache=self.executable_cache,
+                                background=background)
 
     def run(self, shape: StepShape, batch: StepBatch, feed: "DecodeFeed | None" = None) -> StepOutput:
         """Run one compiled step (the state is donated and replaced); device outputs.
@@ -293,11 +324,13 @@ class StepRunner:
         if feed is not None:
             if shape.mode != "decode" or shape.steps < 2:
                 raise ValueError("only multi-step decode dispatches are fed from the previous one")
-            tokens, num_new, num_steps = feed_decode(batch.layout.tokens, batch.layout.num_new, batch.layout.num_steps, batch.sampling.stop_ids,
-                                                     feed.prev.tokens, feed.prev.num_accepted,
-                                                     pad_to(feed.rows, shape.batch, -1),
-                                                     pad_to(feed.steps, shape.batch, 0))
-            batch = dataclasses.replace(batch, layout=dataclasses.replace(batch.layout, tokens=tokens, num_new=num_new,
+            bp = feed.prev.tokens.shape[0]
+            feed_fn = self._program("feed", (shape.batch, bp))
+            lay = batch.layout
+            tokens, num_new, num_steps = feed_fn(lay.tokens, lay.num_new, lay.num_steps, batch.sampling.stop_ids,
+                                                 feed.prev.tokens, feed.prev.num_accepted,
+                                                 pad_to(feed.rows, shape.batch, -1), pad_to(feed.steps, shape.batch, 0))
+            batch = dataclasses.replace(batch, layout=dataclasses.replace(lay, tokens=tokens, num_new=num_new,
                                                                           num_steps=num_steps))
         out, self.state = fn(self.params, self.state, batch)
         return out
@@ -330,23 +363,19 @@ class StepRunner:
 
     def _move_fn(self, n: int):
         """The compiled copy of n (padded) unit rows for this runner's arena."""
-        fn = self._move_fns.get(n)
-        if fn is None:
-            arena = self.state.arena
-            key = (self.use_pallas, self.config.pallas_interpret, None if self.plan is None else self.plan.mesh,
-                   n, arena.shape, str(arena.dtype))
-            fn = _MOVES.get(key)
-            if fn is None:
-                if self.plan is None:
-                    ops = self.ops
-                    jitted = jax.jit(lambda a, s, d: ops.copy_units(a, s, d, num_units=1), donate_argnums=(0,))
-                else:
-                    jitted = serving.sharded_unit_copy(self.plan, self.ops)
-                rows = jax.ShapeDtypeStruct((n,), jnp.int32)
-                target = jax.ShapeDtypeStruct(arena.shape, arena.dtype, sharding=arena.sharding)
-                fn = _MOVES[key] = jitted.lower(target, rows, rows).compile()
-            self._move_fns[n] = fn
-        return fn
+        return self._program("move", n)
+
+    def _request_move(self, n: int, background: bool) -> Future:
+        ops, plan = self.ops, self.plan
+        if plan is None:
+            make = lambda: jax.jit(lambda a, s, d: ops.copy_units(a, s, d, num_units=1), donate_argnums=(0,))
+        else:
+            make = lambda: serving.sharded_unit_copy(plan, ops)
+        rows = jax.ShapeDtypeStruct((n,), jnp.int32)
+        spec = dict(use_pallas=self.use_pallas, interpret=self.config.pallas_interpret,
+                    mesh=None if plan is None else plan.mesh)
+        return programs.request("move_units", spec, make, (self.state.arena, rows, rows),
+                                cache=self.executable_cache, background=background)
 
     def state_lost(self) -> bool:
         """The arena was donated to a computation whose result never arrived."""

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
 
+from .. import programs
 from ..compile_cache import enable_compile_cache
 from ..config import AttentionGeometry, InklingConfig
 
@@ -116,17 +117,20 @@ DEVICE_INIT_ELEMS = 1 << 20  # leaves at least this large are drawn on the devic
 
 
 def init_params(cfg: InklingConfig, key: jax.Array, dtype: Any = jnp.float32, std: float = 0.02,
-                compile_cache: str | None = "auto") -> Params:
+                compile_cache: str | None = "auto", executable_cache: str | None = "auto") -> Params:
     """Random parameters: normal(std) matrices, unit norms and scales, normal(0.3) conv taps,
     zero router bias. Deterministic for a given key.
 
     compile_cache: the persistent compilation cache for the sampling programs, as
     `EngineConfig.compile_cache_dir` ("auto": on a GPU; see `inkling_jax.compile_cache`).
+    executable_cache: where their executables are kept, as `EngineConfig.executable_cache`
+    (`inkling_jax.programs`).
 
     Leaves below DEVICE_INIT_ELEMS elements are sampled with numpy's generator seeded from
-    the key's bits (a jitted init of a few hundred small leaves takes longer to compile than
-    the model does); larger ones on the device, one small jit per distinct shape (host
-    sampling and the transfer of a few GB took about a minute for the bench preset)."""
+    the key's bits and cast on the host (a jitted init of a few hundred small leaves takes
+    longer to compile than the model does); larger ones on the device, one small program per
+    distinct shape (host sampling and the transfer of a few GB took about a minute for the
+    bench preset)."""
     enable_compile_cache(compile_cache)
     seed = np.asarray(jax.random.key_data(key)).astype(np.uint64).ravel().tolist()
     rng = np.random.default_rng(seed)
@@ -135,31 +139,35 @@ def init_params(cfg: InklingConfig, key: jax.Array, dtype: Any = jnp.float32, st
     leaves = []
     for i, (path, shape) in enumerate(paths):
         name = _leaf_name(path)
-        dt = leaf_dtype(name, dtype)
+        dt = np.dtype(leaf_dtype(name, dtype))
+        # on the host, then placed: an eager jnp op here would compile a program per shape
         if name.endswith("norm") or name in ("global_scale", "router_scale"):
-            leaves.append(jnp.ones(shape, dt))
+            leaves.append(jax.device_put(np.ones(shape, dt)))
             continue
         if name == "router_bias":
-            leaves.append(jnp.zeros(shape, dt))
+            leaves.append(jax.device_put(np.zeros(shape, dt)))
             continue
         scale = 0.3 if name.endswith("conv") else std
         if math.prod(shape) >= DEVICE_INIT_ELEMS:
-            leaves.append(_device_normal(jax.random.fold_in(key, i), tuple(shape), jnp.dtype(dt), scale))
+            leaves.append(_device_normal(key, i, tuple(shape), dt, scale, executable_cache))
         else:
-            leaves.append(jnp.asarray(scale * rng.standard_normal(shape, np.float32), dt))
+            leaves.append(jax.device_put((scale * rng.standard_normal(shape, np.float32)).astype(dt)))
     return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
-_NORMAL_SAMPLERS: dict[tuple, Any] = {}
+def _device_normal(key: jax.Array, i: int, shape: tuple[int, ...], dtype: Any, scale: float,
+                   cache: str | None = "auto") -> jax.Array:
+    """scale * N(0, 1) of `shape` from fold_in(key, i), drawn in fp32 on the default device and
+    cast to dtype (one program per shape and dtype: `inkling_jax.programs`)."""
+    def make():
+        return jax.jit(lambda k, j, s: (s * jax.random.normal(jax.random.fold_in(k, j), shape, jnp.float32)
+                                        ).astype(dtype))
 
-
-def _device_normal(key: jax.Array, shape: tuple[int, ...], dtype: Any, scale: float) -> jax.Array:
-    """scale * N(0, 1) of `shape`, drawn in fp32 on the default device and cast to dtype."""
-    sampler = _NORMAL_SAMPLERS.get((shape, dtype))
-    if sampler is None:
-        sampler = jax.jit(lambda k, s: (s * jax.random.normal(k, shape, jnp.float32)).astype(dtype))
-        _NORMAL_SAMPLERS[(shape, dtype)] = sampler
-    return sampler(key, jnp.float32(scale))
+    args = (key, np.int32(i), np.float32(scale))
+    sampler = programs.get("normal_sampler", dict(shape=shape, dtype=np.dtype(dtype),
+                                                  device=getattr(jax.config, "jax_default_device", None)),
+                           make, args, cache=cache)
+    return sampler(*args)
 
 
 def _leaf_name(path: tuple[Any, ...]) -> str:
@@ -172,7 +180,10 @@ def _leaf_name(path: tuple[Any, ...]) -> str:
 def cast_params(params: Params, dtype: Any) -> Params:
     """Cast to `dtype`, keeping the fp32 leaves fp32."""
     def cast(path, x):
-        return jnp.asarray(x, leaf_dtype(_leaf_name(path), dtype))
+        dt = leaf_dtype(_leaf_name(path), dtype)
+        if isinstance(x, np.ndarray):  # cast on the host: on the device it compiles a program per shape
+            return jax.device_put(x.astype(np.dtype(dt), copy=False))
+        return jnp.asarray(x, dt)
     return jax.tree_util.tree_map_with_path(cast, params)
 
 

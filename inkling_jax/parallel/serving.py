@@ -41,7 +41,7 @@ the psums give every participant the same sum).
 
 from __future__ import annotations
 
-from functools import lru_cache, partial
+from functools import partial
 from typing import Any
 
 import jax
@@ -49,6 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from .. import programs
 from ..cache.layout import ArenaLayout
 from ..cache.state import ServingState
 from ..model.params import Params, check_params
@@ -117,17 +118,19 @@ def _placed_elsewhere(x: jax.Array, want: NamedSharding) -> bool:
 
 
 def init_sharded_state(plan: ShardPlan, layout: ArenaLayout, num_units: int, num_virtual_slots: int,
-                       num_virtual_pages: int, dtype: Any) -> ServingState:
+                       num_virtual_pages: int, dtype: Any, cache: str | None = "auto") -> ServingState:
     """A zero serving state on the mesh: arena [num_units, tp, layout.unit_elems] (layout: the
-    local one), each device allocating only its block; id tables replicated."""
+    local one), each device allocating only its block; id tables replicated. The program is
+    `inkling_jax.programs`' (an engine's reset, or another engine of the same geometry, compiles
+    nothing); cache: its executable cache setting."""
     shapes = ((num_units, plan.tp, layout.unit_elems), (num_virtual_slots + 1,), (num_virtual_pages + 1,))
-    return _zero_state_fn(plan.mesh, shapes, jnp.dtype(dtype))()
+    dtype = jnp.dtype(dtype)
+    return programs.get("sharded_zero_state", dict(mesh=plan.mesh, shapes=shapes, dtype=dtype),
+                        partial(_zero_state_fn, plan.mesh, shapes, dtype), cache=cache)()
 
 
-@lru_cache(maxsize=None)
 def _zero_state_fn(mesh: Mesh, shapes: tuple[tuple[int, ...], ...], dtype: Any):
-    """jit of a zero state placed by `state_shardings` (cached: an engine's reset, or another
-    engine of the same geometry, compiles nothing)."""
+    """jit of a zero state placed by `state_shardings`."""
     arena, slots, pages = shapes
     return jax.jit(lambda: ServingState(jnp.zeros(arena, dtype), jnp.zeros(slots, jnp.int32), jnp.zeros(pages, jnp.int32)),
                    out_shardings=state_shardings(mesh))
