@@ -45,6 +45,7 @@ from ..parallel import serving
 from ..parallel.plan import ShardPlan
 from ..parallel.planner import MemoryPlan
 from ..steps import StepBatch, StepOutput, StepShape, check_batch, compile_lowered, compile_step, feed_decode
+from ..steps import counts as counts_lib
 from .config import EngineConfig
 from .interrupts import critical
 
@@ -191,9 +192,11 @@ class StepRunner:
 
     def _zero_state(self, pool: UnitPool) -> ServingState:
         slots, pages = len(pool.slots.v2p) - 1, len(pool.pages.v2p) - 1
+        rows, vocab = self.config.max_running + 1, self.cfg.unpadded_vocab_size  # the count table (penalties)
         if self.plan is None:
-            return init_state(self.layout, pool.num_units, slots, pages, self.dtype)
-        return serving.init_sharded_state(self.plan, self.layout, pool.num_units, slots, pages, self.dtype)
+            return init_state(self.layout, pool.num_units, slots, pages, self.dtype, rows, vocab)
+        return serving.init_sharded_state(self.plan, self.layout, pool.num_units, slots, pages, self.dtype, rows,
+                                          vocab)
 
     def _device_table(self, table: np.ndarray) -> jax.Array:
         """An id table as the step takes it (replicated over the mesh with a plan)."""
@@ -202,17 +205,20 @@ class StepRunner:
 
     # ------------------------------------------------------------------ shapes
 
-    def shape(self, mode: str, rows: int, tokens: int, pages: int) -> StepShape:
-        """The bucket a step of `rows` rows, `tokens` packed tokens and `pages` page columns uses."""
+    def shape(self, mode: str, rows: int, tokens: int, pages: int, score: bool = False) -> StepShape:
+        """The bucket a step of `rows` rows, `tokens` packed tokens and `pages` page columns uses
+        (`score`: an extend step that scores its tokens, compiled when first used)."""
         b = next(x for x in self.batch_buckets if x >= rows)
         p = next(x for x in self.page_buckets if x >= pages)
+        top = self.config.max_logprobs
         if mode == "decode":
-            return StepShape("decode", b, b, 1, p, steps=self.decode_steps)
+            return StepShape("decode", b, b, 1, p, steps=self.decode_steps, top_logprobs=top)
         if mode == "verify":
             q = self.config.spec_steps + 1
-            return StepShape("verify", b, b * q, q, p)
+            return StepShape("verify", b, b * q, q, p, top_logprobs=top)
         t = next(x for x in self.token_buckets if x >= max(tokens, b))
-        return StepShape("extend", b, t, min(self.config.chunk_size, t), p, self.extend_checkpoints)
+        return StepShape("extend", b, t, min(self.config.chunk_size, t), p, self.extend_checkpoints, top_logprobs=top,
+                         score=score)
 
     def all_shapes(self) -> list[StepShape]:
         """Every shape the scheduler can pick."""
@@ -224,7 +230,7 @@ class StepRunner:
         return shapes
 
     def empty_batch(self, shape: StepShape) -> StepBatch:
-        return StepBatch.empty(shape, self.config.spec_steps, self.config.max_stop_ids)
+        return StepBatch.empty(shape, self.config.spec_steps, self.config.max_stop_ids, self.config.max_logit_bias)
 
     # --------------------------------------------------------------- compiling
 
@@ -251,11 +257,15 @@ class StepRunner:
         return fn
 
     def warmup(self, max_move_units: int, overlap: bool = False) -> None:
-        """Compile every bucket the scheduler can pick, and the compaction copy for every
-        padded move count up to max_move_units (with overlap, the decode feed for every pair
+        """Compile every bucket the scheduler can pick (scoring extend steps excepted: they
+        compile when first used), the count-table write of every batch bucket, and the
+        compaction copy for every padded move count up to max_move_units (with overlap, the decode feed for every pair
         of batch buckets too): nothing compiles while serving."""
         for shape in self.all_shapes():
             self.compiled_step(shape)
+        rows = self.config.max_running + 1  # count-table writes (penalties): one program per batch bucket
+        for b in self.batch_buckets:
+            self.reset_counts(np.full(b, rows, np.int32), np.zeros((b, self.cfg.unpadded_vocab_size), np.int32))
         if overlap:
             ns, k = self.config.max_stop_ids, self.decode_steps
             i32 = lambda *n: np.zeros(n, np.int32)
@@ -288,7 +298,7 @@ class StepRunner:
         feed: a multi-step decode dispatched before the previous one's outputs were read
         (the engine's overlap): its rows' tokens and activity come from `feed.prev` on the
         device (`steps/feed.py`)."""
-        check_batch(batch, shape, self.config.spec_steps, self.config.max_stop_ids)
+        check_batch(batch, shape, self.config.spec_steps, self.config.max_stop_ids, self.config.max_logit_bias)
         fn = self.compiled_step(shape)
         if feed is not None:
             if shape.mode != "decode" or shape.steps < 2:
@@ -314,7 +324,8 @@ class StepRunner:
         with critical():
             if len(src):
                 arena = self.move_units(arena, src, dst)
-            self.state = ServingState(arena, self._device_table(slot_table), self._device_table(page_table))
+            self.state = ServingState(arena, self._device_table(slot_table), self._device_table(page_table),
+                                      self.state.counts)
             self.tables_on_device = (slot_table, page_table)
             pool.ack_moves()
             pool.tables_dirty = False
@@ -348,9 +359,19 @@ class StepRunner:
             self._move_fns[n] = fn
         return fn
 
+    def reset_counts(self, rows: np.ndarray, values: np.ndarray) -> None:
+        """Write count-table rows (`steps/counts.py`: requests with penalties, before their first
+        step); rows padded to a batch bucket, so this compiles once per bucket."""
+        n = next(x for x in self.batch_buckets if x >= len(rows))
+        rows = pad_to(rows, n, self.config.max_running + 1)
+        values = np.concatenate([values, np.zeros((n - len(values), values.shape[1]), np.int32)])
+        with critical():
+            self.state = self.state.replace(counts=counts_lib.reset_rows(self.state.counts, rows, values))
+
     def state_lost(self) -> bool:
         """The arena was donated to a computation whose result never arrived."""
-        return self.state.arena.is_deleted()
+        counts = self.state.counts
+        return self.state.arena.is_deleted() or (counts is not None and counts.is_deleted())
 
     def rebuild_state(self, pool: UnitPool) -> None:
         """A zero arena and the pool's tables (after a reset: nothing live holds device state)."""
