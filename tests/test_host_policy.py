@@ -67,7 +67,8 @@ def expected(r) -> tuple[list[int], str, str]:
                                       temperature=sp.temperature, seed=r.seed, stop_ids=stops,
                                       min_tokens=sp.min_tokens, repetition=sp.repetition_penalty != 1,
                                       output_penalty=sp.presence_penalty != 0 or sp.frequency_penalty != 0)
-    text = TOKENIZER.decode(tokens)
+    eos_stop = reason == "stop" and sp.stop_at_eos and tokens[-1] == CFG.eos_token_id and len(tokens) > sp.min_tokens
+    text = TOKENIZER.decode(tokens[:-1] if eos_stop else tokens)  # an eos that stops is not text
     cut = stop_string_cut(tokens, sp.stop, sp.include_stop_str) if sp.stop else None
     if cut is not None:
         tokens, text, reason = cut[0], cut[1], "stop"

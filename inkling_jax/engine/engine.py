@@ -206,10 +206,11 @@ class Engine:
         requests are submitted (and validated) by this call; leaving the loop early (break,
         an exception, Ctrl-C, `close()`) aborts the ones not finished, and the engine stays
         exact. Text is held back while it may still be the start of a stop string."""
-        requests = self.submit(prompts, self._sampling(sampling, n), session)
-        return self._stream(requests)
+        return self.stream_requests(self.submit(prompts, self._sampling(sampling, n), session))
 
-    def _stream(self, requests: list[Request]) -> Iterator[StreamDelta]:
+    def stream_requests(self, requests: list[Request]) -> Iterator[StreamDelta]:
+        """`stream` over requests already submitted (`submit`): steps the engine until they
+        finish, yielding their deltas; leaving early aborts the unfinished ones."""
         sent = [(0, 0, False)] * len(requests)  # (tokens, text characters, finish) reported
         try:
             while True:

@@ -314,10 +314,12 @@ class Scheduler:
         self.stats.generated_tokens += 1
         sp = r.sampling
         may_stop = len(r.out_tokens) > sp.min_tokens  # min_tokens: the device suppressed stop ids until then
-        matched = r.text.push(token, may_stop) if r.text is not None else None
+        eos = may_stop and sp.stop_at_eos and token == self.cfg.eos_token_id
+        # the text: every token but an eos that ends the request (as a special token, not decoded)
+        matched = r.text.push(token, may_stop) if r.text is not None and not eos else None
         if matched is not None:
             r.finish_reason, r.stop_reason = "stop", matched
-        elif may_stop and ((sp.stop_at_eos and token == self.cfg.eos_token_id) or token in sp.stop_token_ids):
+        elif eos or (may_stop and token in sp.stop_token_ids):
             r.finish_reason, r.stop_reason = "stop", token
         elif len(r.out_tokens) >= sp.max_new_tokens:
             r.finish_reason = "length"
