@@ -218,8 +218,7 @@ def single_step(params: Params, state: ServingState, batch: StepBatch, *, cfg: I
     if spec:
         arena, new_drafts = draft_phase(params, cfg, layout, ops, arena, batch, meta, ids.physical_pages, h,
                                         commit, track, bonus, parallel)
-    top_ids, top_lp = top_alternatives(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1),
-                                       batch.sampling.top_logprobs, shape.top_logprobs)
+    top_ids, top_lp = top_alternatives(logits, batch.sampling.top_logprobs, shape.top_logprobs)
     out = StepOutput(bonus, bonus_logp, n_acc, draft_logp, new_drafts, top_ids, top_lp,
                      *score_tokens(params, cfg, batch, h, shape, parallel))
     return out, state.replace(arena=arena, counts=counts)
@@ -237,10 +236,11 @@ def score_tokens(params: Params, cfg: InklingConfig, batch: StepBatch, h: Array,
         return jnp.zeros((0,), jnp.float32), jnp.zeros((0, k), jnp.int32), jnp.zeros((0, k), jnp.float32)
     lay = batch.layout
     t = lay.tokens.shape[0]
-    logp = jax.nn.log_softmax(L.lm_head(params, cfg, h, parallel).astype(jnp.float32), axis=-1)  # [T, V]
+    logits = L.lm_head(params, cfg, h, parallel).astype(jnp.float32)  # [T, V]
+    logp = jax.nn.log_softmax(logits, axis=-1)
     after_last = lay.token_offset + 1 >= lay.num_new[lay.token_row]
     nxt = jnp.where(after_last, batch.spec.lookahead[lay.token_row, 0], lay.tokens[jnp.minimum(jnp.arange(t) + 1, t - 1)])
-    top_ids, top_lp = top_alternatives(logp, batch.sampling.prompt_top_logprobs, k)
+    top_ids, top_lp = top_alternatives(logits, batch.sampling.prompt_top_logprobs, k)
     return jnp.take_along_axis(logp, nxt[:, None], axis=-1)[:, 0], top_ids, top_lp
 
 

@@ -222,8 +222,7 @@ def process_logits(logits: Float[Array, "b v"], s: SamplingArrays, counts: Int[A
     rows = jnp.arange(b)[:, None]
     out = logits.at[rows, jnp.where(s.bias_ids >= 0, s.bias_ids, v)].add(s.bias_values, mode="drop")
     suppress = (out_index < s.min_tokens)[:, None] & (s.stop_ids >= 0)
-    banned = jnp.zeros((b, v), bool).at[rows, jnp.where(suppress, s.stop_ids, v)].set(True, mode="drop")
-    out = jnp.where(banned, -jnp.inf, out)
+    out = out.at[rows, jnp.where(suppress, s.stop_ids, v)].set(-jnp.inf, mode="drop")
     if counts is not None:
         rep = s.repetition_penalty[:, None]
         seen = (counts > 0) & (rep != 1)
@@ -236,40 +235,46 @@ def process_logits(logits: Float[Array, "b v"], s: SamplingArrays, counts: Int[A
 
 
 def processed(logits: Float[Array, "b ... v"], s: SamplingArrays, table: Array | None, out_index: Int[Array, "b ..."],
-              drafts: Int[Array, "b s"] | None = None) -> Float[Array, "b ... v"]:
+              drafts: Int[Array, "b s"] | None = None, then: Any = None) -> Any:
     """`process_logits` under one `lax.cond` (a batch with no processor on skips all of it,
     the count rows' gather included). `table`: the state's count table [R, V] (None: none).
     logits [B, V] with out_index [B], or a verify step's [B, S+1, V] with out_index [B, S+1]:
-    position i counts `drafts[:, :i]` as generated (as if accepted)."""
+    position i counts `drafts[:, :i]` as generated (as if accepted). `then`: a function of the
+    (processed) logits applied inside both branches (e.g. the argmax: on the CPU a
+    conditional's [B, V] result costs far more than its [B] one)."""
+    then = (lambda x: x) if then is None else then
 
     def run(x):
         base = None if table is None else table[s.count_row]
         if x.ndim == 2:
-            return process_logits(x, s, base, out_index)
+            return then(process_logits(x, s, base, out_index))
         outs, counts = [], base
         for i in range(x.shape[1]):
             if i and counts is not None:
                 counts = counts + 2 * (drafts[:, i - 1, None] == jnp.arange(x.shape[-1])[None, :]).astype(jnp.int32)
             outs.append(process_logits(x[:, i], s, counts, out_index[:, i]))
-        return jnp.stack(outs, axis=1)
+        return then(jnp.stack(outs, axis=1))
 
-    return jax.lax.cond(processing_needed(s, out_index), run, lambda x: x, logits)
+    return jax.lax.cond(processing_needed(s, out_index), run, then, logits)
 
 
-def top_alternatives(logp: Float[Array, "... v"], want: Int[Array, "b"], k: int) -> tuple[Array, Array]:
-    """The k most likely tokens and their log-probs at each row ([..., k]; zeros when no row of
-    the batch asks for any (`want`: alternatives each row asks for), or k == 0: the top-k is
-    skipped)."""
-    shape = logp.shape[:-1] + (k,)
+def top_alternatives(logits: Float[Array, "... v"], want: Int[Array, "b"], k: int) -> tuple[Array, Array]:
+    """The k most likely tokens and their log-probs under the model (the raw logits' log-softmax,
+    rounded as `jax.nn.log_softmax` rounds it) at each row ([..., k]; zeros when no row of the
+    batch asks for any (`want`: alternatives each row asks for), or k == 0: skipped)."""
+    shape = logits.shape[:-1] + (k,)
     if k == 0:
         return jnp.zeros(shape, jnp.int32), jnp.zeros(shape, jnp.float32)
 
     def top(x):
         values, ids = jax.lax.top_k(x, k)
-        return ids.astype(jnp.int32), values
+        top_value = jnp.max(x, axis=-1, keepdims=True)
+        shifted = x - jax.lax.stop_gradient(top_value)
+        return ids.astype(jnp.int32), (values - top_value) - jnp.log(jnp.sum(jnp.exp(shifted), axis=-1, keepdims=True))
 
     return jax.lax.cond(jnp.any(want > 0), top,
-                        lambda x: (jnp.zeros(shape, jnp.int32), jnp.zeros(shape, jnp.float32)), logp)
+                        lambda x: (jnp.zeros(shape, jnp.int32), jnp.zeros(shape, jnp.float32)),
+                        logits.astype(jnp.float32))
 
 
 @jax.named_scope("sample")
@@ -282,11 +287,12 @@ def sample_tokens(logits: Float[Array, "b v"], sampling: SamplingArrays, positio
     temperature, top_k, top_p, seed = sampling.temperature, sampling.top_k, sampling.top_p, sampling.seed
     logits = logits.astype(jnp.float32)
     logp = jax.nn.log_softmax(logits, axis=-1)
-    proc = processed(logits, sampling, counts, sampling.out_len)
-    greedy = jnp.argmax(proc, axis=-1).astype(jnp.int32)
+    greedy = processed(logits, sampling, counts, sampling.out_len,
+                       then=lambda x: jnp.argmax(x, axis=-1).astype(jnp.int32))
 
     def sample(_):
-        filt = filtered_logits(proc, temperature, top_k, top_p, sampling.min_p)
+        filt = filtered_logits(processed(logits, sampling, counts, sampling.out_len), temperature, top_k, top_p,
+                               sampling.min_p)
 
         def draw(s, p, row):
             key = jax.random.fold_in(jax.random.key(s.astype(jnp.uint32)), p)
