@@ -17,9 +17,9 @@ from .weights import load_checkpoint, load_pretrained, save_checkpoint, save_pre
 
 __all__ += ["load_pretrained", "save_pretrained", "save_checkpoint", "load_checkpoint"]
 
-from .engine import Completion, Engine, EngineConfig, SamplingParams  # noqa: E402
+from .engine import Completion, Engine, EngineConfig, SamplingParams, ScoreResult, StreamDelta  # noqa: E402
 
-__all__ += ["Engine", "EngineConfig", "SamplingParams", "Completion"]
+__all__ += ["Engine", "EngineConfig", "SamplingParams", "Completion", "StreamDelta", "ScoreResult"]
 
 from .programs import clear_executable_cache, clear_program_cache, patches as _first_sight  # noqa: E402
 

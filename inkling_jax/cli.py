@@ -1,8 +1,12 @@
 """inkling-generate: continuous-batching generation with the serving engine, and its statistics.
 
     inkling-generate [--model shakespeare|tiny|small|bench|PATH] [--prompt TEXT ... | --prompts-file F]
-                     [--max-new-tokens N] [--temperature T] [--spec-steps K] [--decode-steps K]
-                     [--no-prefix-cache] [--lazy] [--pool unified|static] [--max-running N] [--seed S] [--dtype D]
+                     [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P] [--min-p P] [--seed S]
+                     [--n N] [--repetition-penalty R] [--presence-penalty P] [--frequency-penalty F]
+                     [--logit-bias ID=BIAS ...] [--min-tokens N] [--stop TEXT ...] [--include-stop-str]
+                     [--logprobs K] [--stream | --no-stream]
+                     [--spec-steps K] [--decode-steps K]
+                     [--no-prefix-cache] [--lazy] [--pool unified|static] [--max-running N] [--dtype D]
                      [--tp N] [--ep N]
                      [--coordinator HOST:PORT --num-processes N --process-id I]
 
@@ -10,7 +14,10 @@ With no arguments it runs the embedded default model, the trained byte-level `sh
 model shipped in `inkling_jax/models/` (its card: `inkling_jax/models/shakespeare/README.md`),
 on built-in prompts, several of which share a prefix so the prefix cache has something to
 serve. The presets (tiny, small, bench) have deterministic random weights (jax.random.key(0)).
-Prints the completions, then a stats table (with the accept lengths under --spec-steps).
+Streams each completion's text as it is generated (`Engine.stream`; the first unfinished
+completion prints live, the others as soon as their turn comes), or with --no-stream prints
+them when all are done; then a stats table (with the accept lengths under --spec-steps).
+--n N prints N samples of each prompt; --logprobs K the top K alternatives of each token.
 
 The engine geometry is sized from the prompts so that one run compiles few step shapes: one
 batch bucket (max_running rows), one token bucket (max_step_tokens) and one context bucket
@@ -149,6 +156,20 @@ def build_mesh(args: argparse.Namespace):
         raise CliError(str(e)) from None
 
 
+def parse_logit_bias(items: list[str]) -> dict[int, float]:
+    """--logit-bias "ID=BIAS" ... -> {ID: BIAS} (CliError naming a malformed item)."""
+    out = {}
+    for item in items:
+        tid, sep, bias = item.partition("=")
+        try:
+            if not sep:
+                raise ValueError
+            out[int(tid)] = float(bias)
+        except ValueError:
+            raise CliError(f"--logit-bias takes ID=BIAS items (e.g. 42=-5), got {item!r}") from None
+    return out
+
+
 def read_prompts(path: str) -> list[str]:
     """One prompt per non-empty line ('-': standard input); a literal \\n in a line is a newline."""
     try:
@@ -199,12 +220,11 @@ class RunResult:
     ttft_s: list[float]
 
 
-def run(engine, prompts: list[list[int]], sampling, progress: bool = True) -> RunResult:
-    """Submit every prompt, step the engine until all finish (a tqdm bar counts tokens).
-    On several processes every process runs this same loop (only one shows the bar)."""
+def run(engine, prompts: list[list[int]], sampling, progress: bool = True, printer=None) -> RunResult:
+    """Submit every prompt, step the engine until all finish (a tqdm bar counts tokens), or,
+    with a `printer` (`StreamPrinter`), stream the completions through it. On several
+    processes every process runs this same loop (only one shows the bar or prints)."""
     from tqdm import tqdm
-
-    from .engine import Completion
 
     before = engine.stats()
     t0 = time.perf_counter()
@@ -212,23 +232,90 @@ def run(engine, prompts: list[list[int]], sampling, progress: bool = True) -> Ru
         requests = engine.submit(prompts, sampling)
     except ValueError as e:  # bad input (token id out of range, prompt too long): nothing was queued
         raise CliError(str(e)) from None
-    total = len(prompts) * sampling.max_new_tokens
-    # delay: the bar appears only when the run lasts longer than a second
-    with tqdm(total=total, unit="tok", desc="generating", disable=not progress, delay=1.0,
-              file=sys.stderr, dynamic_ncols=True) as bar:
-        done = 0
-        while any(r.finish_reason is None for r in requests):
-            engine.step()
-            n = sum(len(r.out_tokens) for r in requests)
-            bar.update(n - done)
-            done = n
-            finished = sum(r.finish_reason is not None for r in requests)
-            bar.set_postfix(done=f"{finished}/{len(requests)}", refresh=False)
+    if printer is not None:
+        for delta in engine.stream_requests(requests):
+            printer.add(delta)
+    else:
+        total = len(requests) * sampling.max_new_tokens
+        # delay: the bar appears only when the run lasts longer than a second
+        with tqdm(total=total, unit="tok", desc="generating", disable=not progress, delay=1.0,
+                  file=sys.stderr, dynamic_ncols=True) as bar:
+            done = 0
+            while any(r.finish_reason is None for r in requests):
+                engine.step()
+                n = sum(len(r.out_tokens) for r in requests)
+                bar.update(n - done)
+                done = n
+                finished = sum(r.finish_reason is not None for r in requests)
+                bar.set_postfix(done=f"{finished}/{len(requests)}", refresh=False)
     wall = time.perf_counter() - t0
     after = engine.stats()
-    completions = [Completion(r.out_tokens, r.out_logprobs, r.cached, r.finish_reason) for r in requests]
-    return RunResult(completions, after, wall, after["compile_seconds"] - before["compile_seconds"],
+    return RunResult([r.completion() for r in requests], after, wall,
+                     after["compile_seconds"] - before["compile_seconds"],
                      [r.first_token_at - r.submitted for r in requests])
+
+
+def label(c, n: int) -> str:
+    return f"[{c.index}]" if n == 1 else f"[{c.index}.{c.sample}]"
+
+
+def shown(c, tok, eos: int | None) -> tuple[str, str]:
+    """(the completion's text, its finish reason as printed)."""
+    why = c.finish_reason
+    if why == "stop" and c.stop_reason == eos:
+        why = "stop at eos"
+    elif why == "stop" and isinstance(c.stop_reason, str):
+        why = f"stop at {c.stop_reason!r}"
+    tokens = c.tokens[:-1] if why == "stop at eos" else c.tokens
+    return (c.text if c.text is not None else tok.decode(tokens)), why
+
+
+def describe(c, tok, eos: int | None, logprobs: int) -> list[str]:
+    """The lines printed under a completion: ids past the byte range, the count line, top alternatives."""
+    lines = []
+    _, why = shown(c, tok, eos)
+    if isinstance(tok, ByteTokenizer) and any(t >= 256 for t in c.tokens):  # ids past the byte range
+        lines.append(f"       ids {c.tokens[:24]}{' ...' if len(c.tokens) > 24 else ''}")
+    lines.append(f"       ({len(c.tokens)} token{'s' * (len(c.tokens) != 1)}, {why}, "
+                 f"{c.cached_tokens} prompt tokens cached)")
+    for t, lp, top in list(zip(c.tokens, c.logprobs, c.top_logprobs or []))[:8 if logprobs else 0]:
+        alts = ", ".join(f"{tok.decode([a])!r} {alp:.2f}" for a, alp in top)
+        lines.append(f"       {tok.decode([t])!r:>8} {lp:7.2f}   top: {alts}")
+    return lines
+
+
+class StreamPrinter:
+    """Prints streamed completions in order, as they come: the first unfinished one live, the
+    deltas of the ones after it kept until its turn (so the output reads as the batch print
+    does, each completion as soon as it can be shown)."""
+
+    def __init__(self, texts: list[str], n: int, out=None):
+        self.texts, self.n = texts, n
+        self.out = out or sys.stdout
+        self.order = [(i, j) for i in range(len(texts)) for j in range(n)]
+        self.pending: dict = {k: [] for k in self.order}  # deltas not printed yet
+        self.done: set = set()
+        self.current = 0  # index into order of the completion printing live
+        self.started = False
+
+    def add(self, delta) -> None:
+        key = (delta.index, delta.sample)
+        self.pending[key].append(delta.text)
+        if delta.finish_reason is not None:
+            self.done.add(key)
+        while self.current < len(self.order):
+            key = self.order[self.current]
+            if not self.started:
+                i, j = key
+                self.out.write(f"{f'[{i}]' if self.n == 1 else f'[{i}.{j}]'} {self.texts[i]!r}\n    -> ")
+                self.started = True
+            self.out.write("".join(self.pending[key]))
+            self.pending[key] = []
+            self.out.flush()
+            if key not in self.done:
+                return
+            self.out.write("\n")
+            self.current, self.started = self.current + 1, False
 
 
 def format_stats(res: RunResult, num_prompt_tokens: int, warmup_s: float, spec_steps: int) -> str:
@@ -282,7 +369,26 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     ap.add_argument("--top-k", type=int, default=0)
     ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--min-p", type=float, default=0.0, help="keep tokens with p >= MIN_P * p_max (0 = off)")
     ap.add_argument("--seed", type=int, default=0, help="sampling seed")
+    ap.add_argument("--n", type=int, default=1, help="samples of each prompt (sharing its prefill; seeds seed + j)")
+    ap.add_argument("--repetition-penalty", type=float, default=1.0,
+                    help="> 1 discourages tokens of the prompt and the output (HF semantics; 1 = off)")
+    ap.add_argument("--presence-penalty", type=float, default=0.0,
+                    help="subtracted from tokens already in the output, in [-2, 2] (OpenAI semantics)")
+    ap.add_argument("--frequency-penalty", type=float, default=0.0,
+                    help="subtracted per occurrence in the output, in [-2, 2] (OpenAI semantics)")
+    ap.add_argument("--logit-bias", nargs="+", action="extend", default=[], metavar="ID=BIAS",
+                    help="add BIAS to token ID's logit (repeatable)")
+    ap.add_argument("--min-tokens", type=int, default=0, help="no stop (eos, stop ids, stop strings) before this")
+    ap.add_argument("--stop", nargs="+", action="extend", default=[], metavar="TEXT",
+                    help="stop strings, matched on the decoded text (repeatable; a literal \\n is a newline)")
+    ap.add_argument("--include-stop-str", action="store_true", help="keep the matched stop string in the text")
+    ap.add_argument("--logprobs", type=int, default=0, metavar="K",
+                    help="print the top K alternatives of each token (of the first 8 tokens of each completion)")
+    ap.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True,
+                    help="print each completion's text as it is generated (default); --no-stream prints them "
+                         "all at the end")
     ap.add_argument("--spec-steps", type=int, default=0, help="MTP draft tokens per round (0 = off)")
     ap.add_argument("--decode-steps", type=int, default=None,
                     help="decode steps per dispatch, a device loop (default: EngineConfig's)")
@@ -384,10 +490,13 @@ def _main(args: argparse.Namespace) -> int:
     try:
         sampling = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                   top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                                  stop_at_eos=not args.ignore_eos)
-        sampling.validate()
+                                  stop_at_eos=not args.ignore_eos, n=args.n, min_p=args.min_p,
+                                  repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+                                  frequency_penalty=args.frequency_penalty, logit_bias=parse_logit_bias(args.logit_bias),
+                                  min_tokens=args.min_tokens, stop=[x.replace("\\n", "\n") for x in args.stop],
+                                  include_stop_str=args.include_stop_str, logprobs=args.logprobs)
         econf = engine_config(args, [len(p) for p in prompts])
-        engine = Engine(cfg, params, econf, mesh=mesh)
+        engine = Engine(cfg, params, econf, mesh=mesh, tokenizer=tok)
     except (ValueError, NotImplementedError) as e:
         raise CliError(str(e)) from None
     except MemoryError as e:
@@ -410,22 +519,22 @@ def _main(args: argparse.Namespace) -> int:
         engine.warmup(wait=False)  # in the background: the first step waits only for its own program
         warmup_s = time.perf_counter() - t1
 
-    res = run(engine, prompts, sampling, progress=printing and not args.no_progress)
+    printer = StreamPrinter(texts, args.n) if args.stream and printing else None
+    if printer is not None:
+        say()
+    res = run(engine, prompts, sampling, progress=printing and not args.no_progress, printer=printer)
 
     if not printing:
         return 0
     print()
-    for i, (text, c) in enumerate(zip(texts, res.completions)):
-        shown = c.tokens
-        why = c.finish_reason
-        if why == "stop" and shown and shown[-1] == cfg.eos_token_id:
-            shown, why = shown[:-1], "stop at eos"
-        print(f"[{i}] {text!r}")
-        print(f"    -> {tok.decode(shown)!r}")
-        if isinstance(tok, ByteTokenizer) and any(t >= 256 for t in shown):  # ids past the byte range
-            print(f"       ids {shown[:24]}{' ...' if len(shown) > 24 else ''}")
-        print(f"       ({len(c.tokens)} token{'s' * (len(c.tokens) != 1)}, {why}, "
-              f"{c.cached_tokens} prompt tokens cached)")
+    for c in res.completions:
+        lines = "\n".join(describe(c, tok, cfg.eos_token_id, args.logprobs))
+        if printer is None:  # the batch print: each completion's text, then its lines
+            print(f"{label(c, args.n)} {texts[c.index]!r}")
+            print(f"    -> {shown(c, tok, cfg.eos_token_id)[0]!r}")
+            print(lines)
+        else:  # streamed: the texts were printed; their lines follow, in the same order
+            print(f"{label(c, args.n)} {lines.lstrip()}")
     print()
     print(format_stats(res, sum(len(p) for p in prompts), warmup_s, econf.spec_steps))
     sys.stdout.flush()

@@ -1,8 +1,9 @@
 """Compiled programs: who owns them, and not compiling them again.
 
 Every program the engine and `init_params` run (the step of each bucket, the compaction copy
-of each padded move count, the zero serving state, the decode feed, the weight samplers)
-comes from `request` / `get`, which look in three places:
+of each padded move count, the zero serving state, the count-table write of each batch
+bucket, the decode feed, the weight samplers) comes from `request` / `get`, which look in
+three places:
 
   1. the process's program table, in memory: the `max_programs` most recently used (default
      32, $INKLING_JAX_PROGRAMS_IN_MEMORY), so an engine built again with the same shapes, or a

@@ -14,7 +14,7 @@ from inkling_jax import cli
 SHARED = "The short convolution keeps a window of the last few inputs; "
 PROMPTS = [SHARED + "what else?", "Attention with a sliding window", SHARED + "what else?"]
 # max_running 1: requests run one after another, so the repeat is served from the prefix cache
-FLAGS = ["--model", "tiny", "--max-new-tokens", "6", "--max-running", "1", "--ignore-eos", "--no-progress"]
+FLAGS = ["--model", "tiny", "--max-new-tokens", "6", "--max-running", "1", "--ignore-eos", "--no-progress", "--no-stream"]
 
 
 def stats_table(out: str) -> dict[str, str]:
@@ -76,7 +76,7 @@ def test_generate_prints_completions_and_stats(capsys, tmp_path):
 def test_default_model_writes_english_like_text(capsys):
     """`make run`: the shipped trained model on the built-in prompts; with --spec-steps 2 its
     MTP heads accept drafts (mean accept length >= 1.8, bonus included)."""
-    out = run_cli(capsys, ["--max-new-tokens", "48", "--spec-steps", "2", "--no-progress"])
+    out = run_cli(capsys, ["--max-new-tokens", "48", "--spec-steps", "2", "--no-progress", "--no-stream"])
     assert "model shakespeare" in out
     text = "".join(eval(t) for t in completions(out))  # the printed reprs
     letters = sum(c.isalpha() or c in " \n.,;:!?'-" for c in text)
@@ -87,8 +87,33 @@ def test_default_model_writes_english_like_text(capsys):
     assert accept >= 1.8
 
 
+def test_stream_prints_the_batch_text_as_it_comes(capsys):
+    """The default streams: the same completions as --no-stream, printed raw in prompt order
+    (with --n samples as [i.j]), each followed by its line; the sampling flags reach
+    SamplingParams (a stop string cuts the text, --logprobs prints alternatives)."""
+    flags = ["--model", "tiny", "--max-new-tokens", "8", "--max-running", "2", "--ignore-eos", "--no-progress",
+             "--prompt", "abc", "defg", "--n", "2", "--temperature", "0.9", "--min-p", "0.01",
+             "--repetition-penalty", "1.2", "--presence-penalty", "0.3", "--frequency-penalty", "0.1",
+             "--logit-bias", "65=1.5", "--min-tokens", "1", "--logprobs", "2"]
+    batch = run_cli(capsys, flags + ["--no-stream"])
+    streamed = run_cli(capsys, flags)
+    texts = [eval(t) for t in completions(batch)]
+    assert len(texts) == 4 and "[1.1] 'defg'" in batch and "top:" in batch
+    for label, text in zip(["[0.0]", "[0.1]", "[1.0]", "[1.1]"], texts):
+        assert f"{label} {['abc', 'defg'][int(label[1])]!r}\n    -> {text}" in streamed
+    stop = texts[0][3:5]
+    cut = run_cli(capsys, flags + ["--no-stream", "--stop", stop])
+    assert eval(completions(cut)[0]) == texts[0][:texts[0].index(stop)] and f"stop at {stop!r}" in cut
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--spec-steps", "9"], "exceeds the model's MTP depths"),
+    (["--n", "0"], "n must be an int >= 1"),
+    (["--repetition-penalty", "0"], "repetition_penalty must be"),
+    (["--logit-bias", "7"], "--logit-bias takes ID=BIAS"),
+    (["--logit-bias", "9999=1"], "logit_bias token id 9999 out of range"),
+    (["--stop", ""], "stop strings must not be empty"),
+    (["--logprobs", "99"], "max_logprobs"),
     (["--model", "/nonexistent/model"], "neither a preset"),
     (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
     (["--page-size", "0"], "--page-size must be >= 1"),
@@ -145,7 +170,7 @@ def test_bad_model_files_are_one_line(capsys, tmp_path, contents):
 # ------------------------------------------------------------------ mesh and several processes
 
 MESH_FLAGS = ["--prompt", *PROMPTS[:2], "--max-new-tokens", "4", "--max-running", "1", "--page-size", "4",
-              "--ignore-eos", "--no-progress"]
+              "--ignore-eos", "--no-progress", "--no-stream"]
 
 
 def test_mesh_flags_on_one_process(capsys, monkeypatch):

@@ -4,13 +4,16 @@ Hypothesis draws an engine mode (speculation 0-3 with the MTP chain's drafts or 
 corrupted at a random depth, multi-step decode 1-4, overlap, prefix cache off / eager / lazy,
 unified / static pool, max_running, chunk_size, max_step_tokens, page_size, track_interval)
 and a schedule: batches of requests (shared prefixes, prompt lengths, new-token counts, greedy
-or sampled, stop tokens, aborts after a drawn number of steps), some of them session turns,
-with prefix-cache evictions and compactions between batches. Every greedy output must equal
-the plain engine's (spec 0, one decode step, no prefix cache) on the same history, token for
-token, log-probs within `LOGPROB_ATOL`; a sampled output too where the mode draws as the
-plain engine does (no speculation: a request's draws depend on its seed and positions only);
-an aborted output is a prefix of it; a session's history is exactly its prompts and outputs;
-`check_invariants()` holds after every call.
+or sampled, stop tokens, stop strings, logits processors (penalties, logit bias, min_p,
+min_tokens), top alternatives, n samples, aborts after a drawn number of steps), some of them
+session turns, with prefix-cache evictions and compactions between batches. Every greedy
+output must equal the plain engine's (spec 0, one decode step, no prefix cache) with the same
+settings on the same history, token for token (text too), log-probs and top alternatives
+within `LOGPROB_ATOL`; a sampled output too where the mode draws as the plain engine does (no
+speculation: a request's draws depend on its seed and positions only); an aborted output is a
+prefix of it; a session's history is exactly its prompts and outputs (a stop string's cut
+included); `check_invariants()` holds after every call. (The plain engine's processors are
+checked against HF's classes in `test_processors.py`.)
 
 Default run: `DEFAULT_EXAMPLES` draws for each of the `ANCHORS` (speculation depth, decode
 steps, overlap, prefix cache fixed; every other knob and the schedule drawn), derandomized:
@@ -23,7 +26,7 @@ from __future__ import annotations
 
 import os
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import jax
 import numpy as np
@@ -32,12 +35,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import inkling_jax as ik
+from inkling_jax.tokenizer import ByteTokenizer
 
 # two trunk layers (sliding dense, full MoE) and three MTP depths (the middle one banded): the
 # cheapest model with every kind of target and draft state
 CFG = ik.InklingConfig.tiny(num_layers=2, local_layer_ids=(0,), dense_layer_ids=(0,), num_mtp_layers=3,
                             mtp_local_layer_ids=(1,))
 VOCAB = CFG.unpadded_vocab_size
+TOKENIZER = ByteTokenizer(CFG)
 LOGPROB_ATOL = 1e-4  # fp32: steps of different shapes sum attention and MoE in other orders (~1e-6 seen)
 DEFAULT_EXAMPLES = 2  # per anchor mode (ANCHORS)
 EXAMPLES = int(os.environ.get("INKLING_FUZZ_EXAMPLES", DEFAULT_EXAMPLES))
@@ -56,7 +61,8 @@ def plain(params):
     """The oracle: one step per dispatch, no speculation, no prefix cache; each history alone."""
     engine = ik.Engine(CFG, params, ik.EngineConfig(max_running=1, num_slots=4, num_pages=32, page_size=4,
                                                     track_interval=8, chunk_size=16, max_step_tokens=16,
-                                                    min_context_bucket=64, prefix_cache=False, decode_steps=1))
+                                                    min_context_bucket=64, prefix_cache=False, decode_steps=1),
+                       tokenizer=TOKENIZER)
     memo: dict = {}
 
     def run(history: list[int], sp: ik.SamplingParams) -> ik.Completion:
@@ -110,12 +116,22 @@ class RequestDraw:
     sampled: bool
     stop_at: int | None  # stop at the token the plain run generates at this index
     abort_after: int | None  # abort after this many of the batch's steps
+    processors: dict  # SamplingParams logits processors and top alternatives
+    n: int  # samples (plain submits)
+    stop_text_at: int | None  # a stop string: the plain run's character at this index of its text
 
 
+processors = st.fixed_dictionaries({}, optional=dict(
+    repetition_penalty=st.sampled_from([0.8, 1.3, 2.0]), presence_penalty=st.sampled_from([-0.5, 0.7, 2.0]),
+    frequency_penalty=st.sampled_from([0.3, 1.5]), min_p=st.sampled_from([0.05, 0.3]),
+    logit_bias=st.dictionaries(st.integers(3, VOCAB - 1), st.sampled_from([-3.0, 1.0, 4.0]), max_size=3),
+    min_tokens=st.integers(0, 4), logprobs=st.integers(1, 3)))
 requests = st.builds(RequestDraw, base=st.integers(0, 2), prefix=st.sampled_from([0, 9, 17, 28]) | st.integers(0, 28),
                      suffix=st.lists(st.integers(3, VOCAB - 1), min_size=1, max_size=9),
                      max_new_tokens=st.integers(1, 16), sampled=st.booleans(),
-                     stop_at=st.none() | st.integers(0, 6), abort_after=st.none() | st.integers(0, 5))
+                     stop_at=st.none() | st.integers(0, 6), abort_after=st.none() | st.integers(0, 5),
+                     processors=st.none().map(lambda _: {}) | processors, n=st.sampled_from([1, 1, 2, 3]),
+                     stop_text_at=st.none() | st.integers(1, 8))
 
 
 @st.composite
@@ -174,20 +190,31 @@ def run_schedule(engine: ik.Engine, plain, schedule: list[dict], bases: list[lis
             full = (history if sid is not None else []) + prompt
             if len(full) + rd.max_new_tokens + spec > MAX_HISTORY:
                 continue
+            kw = dict(rd.processors, min_tokens=min(rd.processors.get("min_tokens", 0), rd.max_new_tokens))
             sp = ik.SamplingParams(max_new_tokens=rd.max_new_tokens, stop_at_eos=False,
-                                   temperature=0.8 if rd.sampled else 0.0, seed=i)
+                                   temperature=0.8 if rd.sampled else 0.0, seed=i, **kw)
             if rd.stop_at is not None:
                 free = plain(full, sp).tokens
                 if rd.stop_at < len(free):
-                    sp = ik.SamplingParams(max_new_tokens=rd.max_new_tokens, stop_at_eos=False,
-                                           temperature=sp.temperature, seed=i, stop_token_ids=(free[rd.stop_at],))
-            r = engine.submit([prompt], sp, session=sid)[0]
-            engine.check_invariants()
-            if oracle:
-                engine.truth[id(r)] = full + plain(full, ik.SamplingParams(max_new_tokens=rd.max_new_tokens + spec,
-                                                                          stop_at_eos=False)).tokens
-            tracked.append((r, full, sp, rd.abort_after))
-            COVERAGE["requests"] += 1
+                    sp = replace(sp, stop_token_ids=(free[rd.stop_at],))
+            if rd.stop_text_at is not None:  # a printable character of the plain text, not seen before it
+                text = plain(full, sp).text
+                chars = [c for k, c in enumerate(text) if k >= rd.stop_text_at and c.isprintable()
+                         and c != "\ufffd" and c not in text[:k]]
+                if chars:
+                    sp = replace(sp, stop=(chars[0],), include_stop_str=bool(rd.stop_text_at % 2))
+            if sid is None and rd.n > 1:
+                sp = replace(sp, n=rd.n)
+            for j, r in enumerate(engine.submit([prompt], sp, session=sid)):
+                engine.check_invariants()
+                if oracle:
+                    engine.truth[id(r)] = full + plain(full, ik.SamplingParams(
+                        max_new_tokens=rd.max_new_tokens + spec, stop_at_eos=False, **kw)).tokens
+                tracked.append((r, full, replace(sp, seed=sp.seed + j, n=1), rd.abort_after))
+                COVERAGE["requests"] += 1
+                COVERAGE["with processors"] += bool(rd.processors)
+                COVERAGE["with stop strings"] += bool(sp.stop)
+                COVERAGE["samples of n > 1"] += sp.n > 1
         steps = 0
         while engine.running or engine.waiting:
             for r, _, _, abort_after in tracked:
@@ -211,7 +238,13 @@ def run_schedule(engine: ik.Engine, plain, schedule: list[dict], bases: list[lis
             else:
                 assert (r.out_tokens, r.finish_reason) == (expected.tokens, expected.finish_reason), \
                     (r.rid, r.out_tokens, expected.tokens)
+                assert r.completion().text == expected.text
+                COVERAGE["stop strings matched"] += isinstance(r.stop_reason, str)
             np.testing.assert_allclose(r.out_logprobs, expected.logprobs[:n], rtol=0, atol=LOGPROB_ATOL)
+            if sp.logprobs:  # the alternatives' log-probs (near-ties may swap ids between modes)
+                np.testing.assert_allclose([[lp for _, lp in top] for top in r.out_tops],
+                                           [[lp for _, lp in top] for top in expected.top_logprobs[:n]],
+                                           rtol=0, atol=LOGPROB_ATOL)
             COVERAGE["tokens checked"] += n
         if sid is not None and tracked:
             r, full = tracked[0][:2]
@@ -236,7 +269,8 @@ def test_every_mode_matches_the_plain_engine(params, plain, anchor, data, schedu
     bases = [list(rng.randint(3, VOCAB, 28)) for _ in range(3)]
     config = ik.EngineConfig(**mode)
     oracle = bool(mode["spec_steps"]) and oracle_drafts
-    engine = OracleDrafts(CFG, params, config, truth={}, rng=rng) if oracle else ik.Engine(CFG, params, config)
+    engine = OracleDrafts(CFG, params, config, truth={}, rng=rng, tokenizer=TOKENIZER) if oracle else \
+        ik.Engine(CFG, params, config, tokenizer=TOKENIZER)
     run_schedule(engine, plain, schedule, bases, oracle)
     s = engine.stats()
     COVERAGE["modes"] += 1

@@ -18,7 +18,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import inkling_jax as ik
-from inkling_jax.engine.fake_runner import FakeRunner, FakeStateError, fake_generate, fake_params
+from inkling_jax.engine.fake_runner import FakeRunner, FakeStateError, fake_generate, fake_params, fold, token_logprob, \
+    top_tokens
+from inkling_jax.tokenizer import ByteTokenizer
 from conftest import count_xla_compiles
 
 CFG = ik.InklingConfig.tiny()  # 3 MTP depths: speculation up to 3
@@ -33,18 +35,44 @@ class FakeEngine(ik.Engine):
     runner_cls = FakeRunner
 
 
+TOKENIZER = ByteTokenizer(CFG)
+
+
 def fake_engine(**kw) -> FakeEngine:
     base = dict(max_running=2, num_slots=16, num_pages=64, page_size=4, track_interval=8, chunk_size=8,
                 max_step_tokens=16, min_context_bucket=64)
-    return FakeEngine(CFG, fake_params(CFG), ik.EngineConfig(**{**base, **kw}))
+    return FakeEngine(CFG, fake_params(CFG), ik.EngineConfig(**{**base, **kw}), tokenizer=TOKENIZER)
 
 
-def expected(r) -> tuple[list[int], str]:
-    """The fake model's plain decoding of what r answers (its prompt, session history included)."""
-    stops = list(r.sampling.stop_token_ids) + ([CFG.eos_token_id] if r.sampling.stop_at_eos else [])
-    tokens, _, reason = fake_generate(r.tokens[:r.prompt_len], r.sampling.max_new_tokens, vocab=VOCAB,
-                                      temperature=r.sampling.temperature, seed=r.seed, stop_ids=stops)
-    return tokens, reason
+def stop_string_cut(tokens, stops, include):
+    """The oracle of stop strings: the first k whose whole decoded text holds a stop string
+    (the earliest match, the longest of those at one place): (tokens[:k], the text cut, the
+    stop string), or None."""
+    for k in range(1, len(tokens) + 1):
+        text = TOKENIZER.decode(tokens[:k])
+        found = [(text.find(s), -len(s), s) for s in stops if s in text]
+        if found:
+            i, _, s = min(found)
+            return tokens[:k], text[:i + (len(s) if include else 0)], s
+    return None
+
+
+def expected(r) -> tuple[list[int], str, str]:
+    """The fake model's plain decoding of what r answers (its prompt, session history included),
+    its processors emulated (fake_runner's docstring), stop strings cut by `stop_string_cut`:
+    (tokens, finish reason, text)."""
+    sp = r.sampling
+    stops = list(sp.stop_token_ids) + ([CFG.eos_token_id] if sp.stop_at_eos else [])
+    tokens, _, reason = fake_generate(r.tokens[:r.prompt_len], sp.max_new_tokens, vocab=VOCAB,
+                                      temperature=sp.temperature, seed=r.seed, stop_ids=stops,
+                                      min_tokens=sp.min_tokens, repetition=sp.repetition_penalty != 1,
+                                      output_penalty=sp.presence_penalty != 0 or sp.frequency_penalty != 0)
+    eos_stop = reason == "stop" and sp.stop_at_eos and tokens[-1] == CFG.eos_token_id and len(tokens) > sp.min_tokens
+    text = TOKENIZER.decode(tokens[:-1] if eos_stop else tokens)  # an eos that stops is not text
+    cut = stop_string_cut(tokens, sp.stop, sp.include_stop_str) if sp.stop else None
+    if cut is not None:
+        tokens, text, reason = cut[0], cut[1], "stop"
+    return tokens, reason, text
 
 
 def check_outputs(tracked) -> None:
@@ -52,11 +80,24 @@ def check_outputs(tracked) -> None:
         assert r.error is None, f"request {r.rid} given up: {r.error}"
         if r.finish_reason is None:
             continue
-        want, reason = expected(r)
+        want, reason, text = expected(r)
         if r.finish_reason == "abort":
             assert r.out_tokens == want[:len(r.out_tokens)], (r.rid, r.out_tokens, want)
         else:
             assert (r.out_tokens, r.finish_reason) == (want, reason), (r.rid, r.out_tokens, r.finish_reason, want)
+            assert r.text.text == text, (r.rid, r.text.text, text)
+        prompt = r.tokens[:r.prompt_len]
+        for j, top in enumerate(r.out_tops):  # logprobs=k: the k alternatives where each token was chosen
+            assert top == [(t, float(np.float32(lp))) for t, lp in
+                           top_tokens(fold(prompt + r.out_tokens[:j]), r.sampling.logprobs, VOCAB)]
+        if r.score_from is not None and r.finish_reason != "abort":  # prompt_logprobs
+            want_lps = [None] * r.score_from + [float(np.float32(token_logprob(fold(prompt[:p]), prompt[p])))
+                                                for p in range(r.score_from, r.prompt_len)]
+            assert r.prompt_lps == want_lps, (r.rid, r.prompt_lps, want_lps)
+            if r.prompt_top:
+                assert r.prompt_tops[r.score_from:] == [
+                    [(t, float(np.float32(lp))) for t, lp in top_tokens(fold(prompt[:p]), r.prompt_top, VOCAB)]
+                    for p in range(r.score_from, r.prompt_len)]
 
 
 @st.composite
@@ -93,7 +134,7 @@ def run_ops(engine: FakeEngine, rng: np.random.RandomState, num_ops: int) -> Cou
                 base = bases[rng.randint(len(bases))]
                 prompts = [base[:rng.randint(0, len(base) + 1)] + list(rng.randint(3, VOCAB, rng.randint(1, 6)))
                            for _ in range(rng.randint(1, 4))]
-                sp = sampling(rng)
+                sp = sampling(rng, n=int(rng.choice([1, 1, 1, 2, 3])))
                 tracked += engine.submit(prompts, sp)
             elif op == "step":
                 engine.step()
@@ -131,13 +172,33 @@ def run_ops(engine: FakeEngine, rng: np.random.RandomState, num_ops: int) -> Cou
     check_outputs(tracked)
     figures["requests"] += len(tracked)
     figures["tokens"] += sum(len(r.out_tokens) for r in tracked)
+    figures["stop strings matched"] += sum(isinstance(r.stop_reason, str) for r in tracked)
+    figures["forked samples"] += sum(r.sample > 0 and r.cached > 0 for r in tracked)
+    figures["penalized"] += sum(r.sampling.penalized for r in tracked)
+    figures["scored prompts"] += sum(r.score_from is not None for r in tracked)
     return figures
 
 
-def sampling(rng) -> ik.SamplingParams:
-    return ik.SamplingParams(max_new_tokens=int(rng.randint(1, 12)), temperature=float(rng.choice([0.0, 0.7])),
+# the fake's tokens are uniform bytes: single printable characters match now and then, pairs rarely
+STOP_STRINGS = tuple(chr(c) for c in range(32, 127)) + ("ab", "\n\n", "~x")
+
+
+def sampling(rng, n: int = 1) -> ik.SamplingParams:
+    """Drawn settings: greedy or sampled, stop ids, and (each now and then) the options the fake
+    emulates: stop strings, min_tokens (not with them: see `stop_string_cut`), penalties,
+    top alternatives, prompt log-probs; n samples for plain submits."""
+    max_new = int(rng.randint(1, 12))
+    stop = tuple(rng.choice(STOP_STRINGS, rng.randint(1, 12), replace=False)) if rng.rand() < 0.3 else ()
+    return ik.SamplingParams(max_new_tokens=max_new, temperature=float(rng.choice([0.0, 0.7])),
                              seed=int(rng.randint(100)), stop_at_eos=bool(rng.rand() < 0.5),
-                             stop_token_ids=tuple(int(t) for t in rng.randint(3, VOCAB, rng.randint(0, 3))))
+                             stop_token_ids=tuple(int(t) for t in rng.randint(3, VOCAB, rng.randint(0, 3))),
+                             stop=stop, include_stop_str=bool(rng.rand() < 0.5),
+                             min_tokens=int(rng.randint(0, max_new + 1)) if not stop and rng.rand() < 0.3 else 0,
+                             repetition_penalty=1.3 if rng.rand() < 0.2 else 1.0,
+                             presence_penalty=float(rng.choice([0.0, 0.5])) if rng.rand() < 0.3 else 0.0,
+                             frequency_penalty=0.25 if rng.rand() < 0.1 else 0.0,
+                             logprobs=int(rng.choice([0, 2])) if rng.rand() < 0.3 else 0,
+                             prompt_logprobs=int(rng.choice([0, 2])) if rng.rand() < 0.2 else None, n=n)
 
 
 @settings(max_examples=EXAMPLES, deadline=None, database=None, derandomize=True,
@@ -164,6 +225,7 @@ def test_coverage_report():
     print("host fuzz coverage:", dict(sorted(COVERAGE.items())))
     if COVERAGE:
         assert COVERAGE["tokens"] > 0 and COVERAGE["cache hit tokens"] > 0 and COVERAGE["accepted drafts"] > 0
+        assert COVERAGE["stop strings matched"] and COVERAGE["forked samples"] and COVERAGE["penalized"]
 
 
 # ------------------------------------------------------------ the fake is an oracle

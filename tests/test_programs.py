@@ -115,6 +115,21 @@ def test_dropped_engines_programs_serve_the_next_until_evicted(small_params, mon
     assert len(programs.TABLE) == 2
 
 
+def test_count_table_writes_come_from_the_table(small_params):
+    """The penalties' count-table write (`StepRunner.reset_counts`) is a program of the table
+    like the steps: a second engine of the same shapes serving requests with penalties
+    compiles nothing, with the same tokens."""
+    kw = dict(num_pages=48, executable_cache=None)
+    penalised = ik.SamplingParams(max_new_tokens=4, stop_at_eos=False, repetition_penalty=1.5, presence_penalty=0.5)
+    want = tokens(small_engine(small_params, **kw).generate(PROMPTS, penalised))
+    gc.collect()
+    with count_xla_compiles() as compiles:
+        engine = small_engine(small_params, **kw)
+        got = tokens(engine.generate(PROMPTS, penalised))
+    assert compiles[0] == 0 and got == want
+    assert engine.runner._programs["counts"]
+
+
 def test_background_warmup_serves_at_once(small_params):
     """warmup(wait=False) returns before its programs are made; the first steps wait only
     for theirs; the tokens are a lazily compiled engine's."""

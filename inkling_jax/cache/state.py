@@ -5,6 +5,9 @@
                                         formulas)
     slot_v2p  int32 [num_virtual_slots + 1]   virtual slot id -> physical slot index
     page_v2p  int32 [num_virtual_pages + 1]   virtual page id -> physical page index
+    counts    int32 [rows, vocab] or None     the penalties' token counts, one row per running
+                                        request (`steps/counts.py`); None: no count table (a
+                                        step then applies no count-based penalty)
 
 Physical slot 0 and page 0 are sinks: padded rows and masked writes land there, and they are
 never handed out.
@@ -32,6 +35,7 @@ class ServingState:
     arena: Array
     slot_v2p: Int[Array, "vs"]
     page_v2p: Int[Array, "vp"]
+    counts: Int[Array, "r v"] | None = None
 
     def replace(self, **kw: Any) -> "ServingState":
         return replace(self, **kw)
@@ -42,11 +46,13 @@ class ServingState:
 
 
 def init_state(layout: ArenaLayout, num_units: int, num_virtual_slots: int, num_virtual_pages: int,
-               dtype: Any) -> ServingState:
+               dtype: Any, count_rows: int = 0, vocab: int = 0) -> ServingState:
+    """A zero state; with count_rows > 0 a zero count table [count_rows, vocab] too."""
     return ServingState(
         arena=jnp.zeros((num_units, layout.unit_elems), dtype),
         slot_v2p=jnp.zeros((num_virtual_slots + 1,), jnp.int32),
         page_v2p=jnp.zeros((num_virtual_pages + 1,), jnp.int32),
+        counts=jnp.zeros((count_rows, vocab), jnp.int32) if count_rows else None,
     )
 
 

@@ -2,9 +2,9 @@
 
 from .config import EngineConfig, SamplingParams
 from .engine import Engine
-from .records import Completion, Request, Resources, Session
+from .records import Completion, Request, Resources, ScoreResult, Session, StreamDelta
 from .requests import Requests
 from .stats import EngineStats
 
 __all__ = ["Completion", "Engine", "EngineConfig", "EngineStats", "Request", "Requests", "Resources", "SamplingParams",
-           "Session"]
+           "ScoreResult", "Session", "StreamDelta"]

@@ -117,9 +117,15 @@ class Admission:
         every checkpoint on its path, so a deep hit can need room the request without it does
         not: `never_fits` counts no prefix, and with `shallower` admission agrees with it."""
         sess = r.session
+        if sess is not None and sess.held is not None and r.score_from is not None \
+                and sess.held.committed >= r.score_from:  # the kept state is past what the turn scores:
+            self.release(sess.held)  # rebuild it (its tokens are the history; the prefix cache may serve)
+            sess.held = None
         if sess is not None and sess.held is not None:
             return self._admit_session_turn(r)
-        found = self.tree.matches(r.tokens, max_depth=len(r.tokens) - 1) if self.tree is not None else []
+        # a request that wants prompt log-probs from position p must run position p - 1 itself
+        cap = len(r.tokens) - 1 if r.score_from is None else min(len(r.tokens) - 1, r.score_from - 1)
+        found = self.tree.matches(r.tokens, max_depth=cap) if self.tree is not None else []
         options = found[:1] if found and not shallower else found + [None]
         return any(self._admit_with(r, match) for match in options)
 

@@ -13,6 +13,9 @@ deepest checkpoint on the shared path.
   chunk leaves its prompt-end checkpoint at once, and a request that branches off a cached
   path leaves checkpoints at every boundary of its own prompt, the deepest one at or below
   the branch point included: the next request with that prefix hits there.
+* **n samples' fork**: sample 0 of a prompt asked for with `SamplingParams.n > 1` also
+  checkpoints the last page boundary before its prompt's last token (`Request.fork_depth`,
+  any multiple of page_size), where its siblings' prefix hits start.
 * **Generation boundaries** (decode and verify steps cross at most one): written into the
   request's ping-pong checkpoint slots (eager: both held from admission; lazy: taken around
   the boundary), the newest kept; a finishing request inserts it (`insert_at_finish`).
@@ -62,6 +65,8 @@ class CheckpointPolicy:
         start = held.committed if start is None else start
         first = (start // interval + 1) * interval
         boundaries = list(range(first, start + n + 1, interval))
+        if start < r.fork_depth <= start + n and r.fork_depth not in boundaries:  # n samples' shared prompt
+            boundaries = sorted(boundaries + [r.fork_depth])
         if not boundaries:
             return n, []
         if r.session is None and boundaries[-1] <= r.prompt_len:
@@ -163,8 +168,8 @@ class CheckpointPolicy:
         """Insert a finished request's newest generation checkpoint; returns the slots the
         tree took (the request must not free them)."""
         held = r.held
-        if self.tree is None or held.last_checkpoint is None:
-            return set()
+        if self.tree is None or held.last_checkpoint is None or held.last_checkpoint[0] > r.output_end:
+            return set()  # (none deeper than the returned output: a stop string may have cut it)
         depth, idx = held.last_checkpoint
         slot = held.virtual_track_slots[idx]
         npages = depth // self.config.page_size

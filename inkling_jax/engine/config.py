@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..cache.prefix_tree import EVICT_POLICIES
-from ..steps import DEFAULT_MAX_STOP_IDS
+from ..steps import DEFAULT_MAX_LOGIT_BIAS, DEFAULT_MAX_STOP_IDS
 from ..steps.sampling import SamplingParams
 from ..validate import is_int, is_real
 
@@ -40,6 +40,8 @@ class EngineConfig:
     min_batch_bucket: int = 1  # smallest row count of a step (fewer buckets, more padding)
     warmup: bool = False  # compile every bucket at construction
     max_stop_ids: int = DEFAULT_MAX_STOP_IDS  # stop tokens a request may have (its eos included)
+    max_logit_bias: int = DEFAULT_MAX_LOGIT_BIAS  # logit_bias entries a request may have
+    max_logprobs: int = 8  # top alternatives a request may ask for (SamplingParams.logprobs, prompt_logprobs)
     compile_cache_dir: str | None = "auto"  # persistent XLA cache: "auto" (GPU: ~/.cache/inkling-jax/xla), a path, None
     executable_cache: str | None = "auto"  # compiled programs on disk: "auto" ($INKLING_JAX_EXECUTABLE_CACHE, else
     #                                        ~/.cache/inkling-jax/executables), a directory, None (off)
@@ -59,6 +61,9 @@ class EngineConfig:
             value = getattr(self, name)
             need(is_int(value) and value >= 1, f"{name} must be an int >= 1, got {value!r}")
         need(is_int(self.spec_steps) and self.spec_steps >= 0, f"spec_steps must be an int >= 0, got {self.spec_steps!r}")
+        for name in ("max_logit_bias", "max_logprobs"):
+            value = getattr(self, name)
+            need(is_int(value) and value >= 0, f"{name} must be an int >= 0, got {value!r}")
         need(self.decode_steps == "auto" or (is_int(self.decode_steps) and self.decode_steps >= 1),
              f"decode_steps must be 'auto' or an int >= 1, got {self.decode_steps!r}")
         need(self.max_context is None or (is_int(self.max_context) and self.max_context >= 1),

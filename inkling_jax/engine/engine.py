@@ -35,10 +35,11 @@ same replicated outputs.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import jax
 import numpy as np
@@ -53,13 +54,15 @@ from ..parallel.plan import ShardPlan
 from ..parallel.planner import plan_memory, pool_sizes
 from ..parallel.serving import place_params
 from ..steps import StepOutput, pack_batch
+from ..steps.counts import host_rows
 from .config import EngineConfig, SamplingParams, is_int
 from .interrupts import critical
-from .records import Completion, Request, Session
+from .records import Completion, Request, ScoreResult, Session, StreamDelta
 from .requests import Requests
 from .runner import DecodeFeed, StepRunner, check_arena_fits, check_arena_fits_per_device
 from .scheduler import HostOutputs, Scheduler, StepPlan
 from .stats import EngineStats
+from .text import TextState
 
 
 @dataclass
@@ -85,16 +88,22 @@ class Engine:
     (the arena layout of one device), `state` (the device serving state).
 
     `runner_cls`: the device side (`StepRunner`); a subclass may swap in another with its
-    interface, e.g. `fake_runner.FakeRunner` (numpy, no XLA) to test the host policy."""
+    interface, e.g. `fake_runner.FakeRunner` (numpy, no XLA) to test the host policy.
+
+    `tokenizer`: any object with `decode(list[int]) -> str` (e.g. `inkling_jax.tokenizer`'s);
+    with one, completions and stream deltas carry text and `SamplingParams.stop` strings work."""
 
     runner_cls = StepRunner
 
     def __init__(self, cfg: InklingConfig, params: Any, config: EngineConfig | None = None,
-                 mesh: Mesh | None = None):
+                 mesh: Mesh | None = None, tokenizer: Any = None):
         config = config or EngineConfig()
         if not isinstance(config, EngineConfig):
             raise ValueError(f"config must be an EngineConfig, got {type(config).__name__}")
         config.validate()
+        if tokenizer is not None and not callable(getattr(tokenizer, "decode", None)):
+            raise ValueError(f"tokenizer must have a decode(list[int]) -> str method, got {type(tokenizer).__name__}")
+        self.tokenizer = tokenizer
         if mesh is not None and not isinstance(mesh, Mesh):
             raise ValueError(f"mesh must be a jax.sharding.Mesh (ik.make_mesh(tp=, ep=)), got {type(mesh).__name__}")
         self.plan = None if mesh is None else ShardPlan(cfg, mesh)  # ValueError naming the field that does not split
@@ -173,52 +182,168 @@ class Engine:
         return None if self.plan is None else self.plan.mesh
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams | None = None,
-                 session: int | None = None) -> list[Completion]:
+                 session: int | None = None, n: int | None = None) -> list:
         """Generate for every prompt (continuous batching); returns completions in order.
 
-        prompts: a list of token-id sequences (lists, tuples or 1-D numpy integer arrays)."""
-        sampling = SamplingParams() if sampling is None else sampling
+        prompts: a list of token-id sequences (lists, tuples or 1-D numpy integer arrays).
+        n (or `sampling.n`): samples per prompt; with n > 1 each prompt's entry is a list of n
+        Completions (sample j draws as a request with seed `sampling.seed + j`)."""
+        sampling = self._sampling(sampling, n)
         requests = self.submit(prompts, sampling, session)
         while any(r.finish_reason is None and r.error is None for r in requests):
             self.step()
+        self._raise_given_up(requests)
+        done = [r.completion() for r in requests]
+        k = sampling.n
+        return done if k == 1 else [done[i * k:(i + 1) * k] for i in range(len(done) // k)]
+
+    def stream(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams | None = None,
+               session: int | None = None, n: int | None = None) -> Iterator[StreamDelta]:
+        """Generate as `generate` does, yielding each request's new tokens as the steps commit
+        them: a `StreamDelta` (prompt index, sample, token ids, their log-probs and top
+        alternatives, the decoded text delta, the finish reason) per request per step that added
+        something (a multi-step decode or a verify round adds several tokens at once). The
+        requests are submitted (and validated) by this call; leaving the loop early (break,
+        an exception, Ctrl-C, `close()`) aborts the ones not finished, and the engine stays
+        exact. Text is held back while it may still be the start of a stop string."""
+        return self.stream_requests(self.submit(prompts, self._sampling(sampling, n), session))
+
+    def stream_requests(self, requests: list[Request]) -> Iterator[StreamDelta]:
+        """`stream` over requests already submitted (`submit`): steps the engine until they
+        finish, yielding their deltas; leaving early aborts the unfinished ones."""
+        sent = [(0, 0, False)] * len(requests)  # (tokens, text characters, finish) reported
+        try:
+            while True:
+                for i, r in enumerate(requests):
+                    n_tok, n_text, finished = sent[i]
+                    text = "" if r.text is None else r.text.visible()
+                    done = r.finish_reason is not None
+                    if len(r.out_tokens) > n_tok or len(text) > n_text or (done and not finished):
+                        tops = r.out_tops[n_tok:] if r.sampling.logprobs else None
+                        yield StreamDelta(r.index, r.sample, r.out_tokens[n_tok:], r.out_logprobs[n_tok:], tops,
+                                          text[n_text:], r.finish_reason, r.rid)
+                        sent[i] = (len(r.out_tokens), len(text), done)
+                if all(r.finish_reason is not None or r.error is not None for r in requests):
+                    self._raise_given_up(requests)
+                    return
+                self.step()
+        finally:  # the loop was left early (or failed): its requests must not run on
+            for r in requests:
+                if r.finish_reason is None and r.error is None:
+                    self.abort(r)
+
+    def score(self, contexts: Sequence[Sequence[int]], continuations: Sequence[Sequence[int]],
+              top_logprobs: int = 0) -> list[ScoreResult]:
+        """log p(continuation[i] | context, continuation[:i]) for every token of each
+        continuation (batched: one request per pair, scheduled like any other), with the
+        `top_logprobs` most likely tokens at each position. Computed by extend steps that
+        score their tokens; a request may start from a prefix-cache hit on its context (never
+        deeper: the positions it scores run in its own steps). The values equal the
+        reference forward's log-softmax within fp32 rounding (api.md, "Scoring")."""
+        if isinstance(contexts, (str, bytes)) or isinstance(continuations, (str, bytes)) \
+                or len(contexts) != len(continuations):
+            raise ValueError("score takes two lists of token-id sequences of the same length (contexts, continuations)")
+        ctx, cont = self._checked_prompts(list(contexts)), self._checked_prompts(list(continuations))
+        sp = SamplingParams(max_new_tokens=1, stop_at_eos=False, prompt_logprobs=top_logprobs)
+        requests = self._submit([a + b for a, b in zip(ctx, cont)], sp, None, score_from=[len(a) for a in ctx])
+        while any(r.finish_reason is None and r.error is None for r in requests):
+            self.step()
+        self._raise_given_up(requests)
+        return [ScoreResult(b, r.prompt_lps[len(a):], r.prompt_tops[len(a):] if top_logprobs else None, r.cached)
+                for a, b, r in zip(ctx, cont, requests)]
+
+    @staticmethod
+    def _sampling(sampling: SamplingParams | None, n: int | None) -> SamplingParams:
+        sampling = SamplingParams() if sampling is None else sampling
+        if n is not None:
+            if not isinstance(sampling, SamplingParams):
+                raise ValueError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+            sampling = dataclasses.replace(sampling, n=n)  # validated by SamplingParams
+        return sampling
+
+    @staticmethod
+    def _raise_given_up(requests: list[Request]) -> None:
         failed = [r for r in requests if r.error is not None]
         if failed:
             raise RuntimeError(f"request {failed[0].rid} was given up: {failed[0].error}")
-        return [r.completion() for r in requests]
 
     def submit(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams,
                session: int | None = None) -> list[Request]:
-        """Validate and queue requests (nothing changes if anything is bad)."""
+        """Validate and queue requests (nothing changes if anything is bad): one per prompt, or
+        `sampling.n` per prompt (prompt-major, sample j seeded `sampling.seed + j`)."""
+        return self._submit(prompts, sampling, session)
+
+    def _submit(self, prompts, sampling: SamplingParams, session: int | None,
+                score_from: list[int] | None = None) -> list[Request]:
         with self._lock:
             if not isinstance(sampling, SamplingParams):
                 raise ValueError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
             sampling.validate()
-            stops = sampling.stop_token_ids + ((self.cfg.eos_token_id,) if sampling.stop_at_eos else ())
-            if len(stops) > self.config.max_stop_ids:
-                raise ValueError(f"{len(sampling.stop_token_ids)} stop_token_ids (+ eos) exceed the engine's "
-                                 f"max_stop_ids={self.config.max_stop_ids}")
-            bad = [t for t in sampling.stop_token_ids if t >= self.cfg.unpadded_vocab_size]
-            if bad:
-                raise ValueError(f"stop token id {bad[0]} out of range [0, {self.cfg.unpadded_vocab_size})")
+            self._check_sampling(sampling, session)
             prompts = self._checked_prompts(prompts)
             sess = self._session_for_turn(session, len(prompts))
             now = time.perf_counter()
             out = []
             for i, p in enumerate(prompts):
                 tokens = (sess.tokens + p) if sess else p
-                r = Request(self.requests.new_rid(), tokens, len(tokens), sampling, session=sess, submitted=now,
-                            seed=(sampling.seed * 7919 + i) % (1 << 31))
-                total = len(tokens) + sampling.max_new_tokens + self.config.spec_steps
-                if total > self.max_context:
-                    raise ValueError(f"prompt {i}: {len(tokens)} tokens + {sampling.max_new_tokens} new exceed the "
-                                     f"longest sequence the pool can ever hold ({self.max_context} tokens; "
-                                     f"{self.bytes_for_tokens(total) / 2**30:.2f} GiB would be needed)")
-                problem = self.admission.never_fits(r)
-                if problem:
-                    raise ValueError(f"prompt {i} can never be admitted: it {problem}")
-                out.append(r)
+                first = None
+                for j in range(sampling.n):
+                    r = Request(self.requests.new_rid(), list(tokens), len(tokens), sampling, session=sess,
+                                submitted=now, seed=((sampling.seed + j) * 7919 + i) % (1 << 31), index=i, sample=j,
+                                fork_parent=first)
+                    if score_from is not None:
+                        r.score_from = score_from[i]
+                    elif sampling.prompt_logprobs is not None:
+                        r.score_from = max(1, len(sess.tokens) if sess else 1)
+                    if r.score_from is not None:
+                        r.prompt_top = sampling.prompt_logprobs or 0
+                        r.prompt_lps, r.prompt_tops = [None] * len(tokens), [None] * len(tokens)
+                    if self.tokenizer is not None:
+                        r.text = TextState(self.tokenizer, sampling.stop, sampling.include_stop_str)
+                    if j == 0 and sampling.n > 1 and self.tree is not None:
+                        # the deepest page boundary before the prompt's last token: its siblings start there
+                        r.fork_depth = (len(tokens) - 1) // self.config.page_size * self.config.page_size
+                        first = r
+                    if j == 0:
+                        self._check_fits(i, r)
+                    out.append(r)
             self.requests.queue(out, sess)
             return out
+
+    def _check_sampling(self, sampling: SamplingParams, session: int | None) -> None:
+        """ValueError naming what this engine cannot do for `sampling` (beyond its own checks)."""
+        stops = sampling.stop_token_ids + ((self.cfg.eos_token_id,) if sampling.stop_at_eos else ())
+        vocab, c = self.cfg.unpadded_vocab_size, self.config
+        if len(stops) > c.max_stop_ids:
+            raise ValueError(f"{len(sampling.stop_token_ids)} stop_token_ids (+ eos) exceed the engine's "
+                             f"max_stop_ids={c.max_stop_ids}")
+        bad = [t for t in sampling.stop_token_ids if t >= vocab]
+        if bad:
+            raise ValueError(f"stop token id {bad[0]} out of range [0, {vocab})")
+        bad = [t for t, _ in sampling.logit_bias if t >= vocab]
+        if bad:
+            raise ValueError(f"logit_bias token id {bad[0]} out of range [0, {vocab})")
+        if len(sampling.logit_bias) > c.max_logit_bias:
+            raise ValueError(f"{len(sampling.logit_bias)} logit_bias entries exceed the engine's "
+                             f"max_logit_bias={c.max_logit_bias}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(sampling, name) or 0
+            if value > c.max_logprobs:
+                raise ValueError(f"{name}={value} exceeds the engine's max_logprobs={c.max_logprobs}")
+        if sampling.stop and self.tokenizer is None:
+            raise ValueError("stop strings need the engine's tokenizer (Engine(..., tokenizer=...))")
+        if sampling.n > 1 and session is not None:
+            raise ValueError(f"n={sampling.n} samples cannot share a session turn (a session has one history)")
+
+    def _check_fits(self, i: int, r: Request) -> None:
+        total = len(r.tokens) + r.sampling.max_new_tokens + self.config.spec_steps
+        if total > self.max_context:
+            raise ValueError(f"prompt {i}: {len(r.tokens)} tokens + {r.sampling.max_new_tokens} new exceed the "
+                             f"longest sequence the pool can ever hold ({self.max_context} tokens; "
+                             f"{self.bytes_for_tokens(total) / 2**30:.2f} GiB would be needed)")
+        problem = self.admission.never_fits(r)
+        if problem:
+            raise ValueError(f"prompt {i} can never be admitted: it {problem}")
 
     def _checked_prompts(self, prompts) -> list[list[int]]:
         """Prompts as lists of ints; ValueError naming the first bad one (the type or the id)."""
@@ -280,6 +405,7 @@ class Engine:
                 return
             self._settle()
             self.requests.admit_waiting()  # (a request that never fits is given up with the reason)
+            self._write_count_rows()
             plan = self.scheduler.plan(self.drafts_for)
             if plan is None:
                 return
@@ -297,11 +423,28 @@ class Engine:
             return None
         return self.scheduler.plan_ahead(self._flights[0].plan)
 
+    def _write_count_rows(self) -> None:
+        """Write the count-table rows of requests admitted with a penalty (their prompt, and
+        their outputs so far after a reset) before their first step (`steps/counts.py`)."""
+        todo = self.requests.take_count_resets()
+        if not todo:
+            return
+        rows = host_rows([r.tokens[:r.prompt_len] for r in todo], [r.out_tokens for r in todo],
+                         self.cfg.unpadded_vocab_size)
+        try:
+            self.runner.reset_counts(np.array([r.count_row for r in todo], np.int32), rows)
+        except BaseException:
+            if self.runner.state_lost():
+                self.reset()
+            raise
+        self.requests.count_resets_done(todo)
+
     def _dispatch(self, plan: StepPlan, feed_from: InFlight | None = None) -> None:
         """Pack and run `plan`; it joins the steps in flight (its outputs are not read here)."""
         try:
-            shape = self.runner.shape(plan.mode, len(plan.rows), sum(plan.new_tokens), plan.max_pages)
-            batch = pack_batch(shape, plan.rows, self.config.spec_steps, self.config.max_stop_ids)
+            shape = self.runner.shape(plan.mode, len(plan.rows), sum(plan.new_tokens), plan.max_pages, score=plan.score)
+            batch = pack_batch(shape, plan.rows, self.config.spec_steps, self.config.max_stop_ids,
+                               self.config.max_logit_bias)
             feed = None if feed_from is None else DecodeFeed(feed_from.out, np.asarray(plan.feed_rows, np.int32),
                                                             np.asarray(plan.feed_steps, np.int32))
             self._apply_pool()
@@ -342,7 +485,8 @@ class Engine:
     def _fetch(self, out: StepOutput) -> HostOutputs:
         """The step's outputs on the host (the one device-to-host transfer of a step)."""
         return HostOutputs(*jax.device_get((out.tokens, out.logprobs, out.num_accepted, out.accepted_logprobs,
-                                            out.drafts)))
+                                            out.drafts, out.top_ids, out.top_logprobs, out.prompt_logprobs,
+                                            out.prompt_top_ids, out.prompt_top_logprobs)))
 
     def _apply_pool(self) -> None:
         try:

@@ -18,6 +18,15 @@ rows get drafts from the true continuation, wrong at depths chosen by the hash, 
 accept length occurs; the acceptance rule is greedy's (a sampled row accepts a draft equal
 to its sample), so outputs equal plain decoding's in every mode.
 
+Of the logits processors the fake emulates those whose bookkeeping is the host's: min_tokens
+(the row's stop ids are banned while its output is shorter) and the count-based penalties
+(repetition_penalty != 1 bans tokens of the prompt and the output, presence / frequency != 0
+bans tokens of the output), read from a numpy count table the engine writes through
+`reset_counts` and the steps update, as the device's (`steps/counts.py`); a banned choice
+moves to the next token id that is not. It reports top alternatives (the L tokens of highest
+fake log-prob) and, in scoring steps, each packed token's next-token log-prob. min_p and
+logit_bias it refuses (ValueError).
+
     class FakeEngine(ik.Engine):
         runner_cls = FakeRunner
     engine = FakeEngine(cfg, fake_params(cfg), config)   # shapes only, no XLA compile
@@ -76,8 +85,37 @@ def token_logprob(h: int, token: int) -> float:
     return -float(mix(h, token) % 997) / 100.0
 
 
-def next_token(h: int, temperature: float, seed: int, position: int, vocab: int) -> int:
-    return greedy_token(h, vocab) if temperature == 0 else sampled_token(h, seed, position, vocab)
+def next_token(h: int, temperature: float, seed: int, position: int, vocab: int, banned=()) -> int:
+    t = greedy_token(h, vocab) if temperature == 0 else sampled_token(h, seed, position, vocab)
+    for _ in range(vocab):  # the emulated processors: the next id that is not banned
+        if t not in banned:
+            break
+        t = (t + 1) % vocab
+    return t
+
+
+def top_tokens(h: int, k: int, vocab: int) -> list[tuple[int, float]]:
+    """The fake's k most likely next tokens after hash h (ties: the smaller id): `token_logprob`
+    of every token at once (uint64 arithmetic wraps mod 2^64, and 2^61 | 2^64, so the masked
+    products are the Python ints')."""
+    t = np.arange(vocab, dtype=np.uint64)
+    mixed = ((np.uint64(h) ^ (t + np.uint64(0x9E37))) * np.uint64(0x100000001B3) + np.uint64(0x2545F491)) \
+        & np.uint64(MASK)
+    logprob = -(mixed % np.uint64(997)).astype(np.float64) / 100.0
+    order = np.lexsort((t, -logprob))[:k]
+    return [(int(i), float(logprob[i])) for i in order]
+
+
+def banned_tokens(counts: np.ndarray | None, out_index: int, min_tokens: int, stops, repetition: bool,
+                  output_penalty: bool) -> set[int]:
+    """What the emulated processors ban for a choice at output index `out_index` (counts: the
+    row's count-table row, 2 * output count + prompt bit)."""
+    banned = set(stops) if out_index < min_tokens else set()
+    if counts is not None and repetition:
+        banned |= set(np.nonzero(counts > 0)[0].tolist())
+    elif counts is not None and output_penalty:
+        banned |= set(np.nonzero(counts >= 2)[0].tolist())
+    return banned
 
 
 def draft_is_wrong(h: int, depth: int) -> bool:
@@ -86,16 +124,23 @@ def draft_is_wrong(h: int, depth: int) -> bool:
 
 
 def fake_generate(history, max_new_tokens: int, *, vocab: int, temperature: float = 0.0, seed: int = 0,
-                  stop_ids=()) -> tuple[list[int], list[float], str]:
+                  stop_ids=(), min_tokens: int = 0, repetition: bool = False,
+                  output_penalty: bool = False) -> tuple[list[int], list[float], str]:
     """Plain decoding of `history` by the fake model: (tokens, logprobs, finish_reason).
-    `seed` is the request's (`Request.seed`); stop_ids include eos when it stops there."""
+    `seed` is the request's (`Request.seed`); stop_ids include eos when it stops there;
+    min_tokens, repetition (repetition_penalty != 1), output_penalty (presence or frequency
+    penalty != 0): the emulated processors (module docstring)."""
     h, pos = fold(history), len(history)
     tokens, logprobs = [], []
+    counts = np.zeros(vocab, np.int64)
+    counts[np.asarray(history, np.int64)] = 1
     while True:
-        t = next_token(h, temperature, seed, pos, vocab)
+        banned = banned_tokens(counts, len(tokens), min_tokens, stop_ids, repetition, output_penalty)
+        t = next_token(h, temperature, seed, pos, vocab, banned)
         tokens.append(t)
+        counts[t] += 2
         logprobs.append(token_logprob(h, t))
-        if t in stop_ids:
+        if t in stop_ids and len(tokens) > min_tokens:
             return tokens, logprobs, "stop"
         if len(tokens) >= max_new_tokens:
             return tokens, logprobs, "length"
@@ -107,6 +152,7 @@ class FakeState:
     arena: np.ndarray  # [num_units, width] int64
     slot_v2p: np.ndarray
     page_v2p: np.ndarray
+    counts: np.ndarray  # [max_running + 1, vocab] int64: the penalties' count table
 
 
 @dataclass
@@ -118,6 +164,11 @@ class FakeOutput:
     num_accepted: np.ndarray
     accepted_logprobs: np.ndarray
     drafts: np.ndarray
+    top_ids: np.ndarray
+    top_logprobs: np.ndarray
+    prompt_logprobs: np.ndarray
+    prompt_top_ids: np.ndarray
+    prompt_top_logprobs: np.ndarray
 
 
 class FakeRunner(StepRunner):
@@ -137,7 +188,8 @@ class FakeRunner(StepRunner):
     def _zero_state(self, pool: UnitPool) -> FakeState:
         width = max(self.config.page_size, 2)
         return FakeState(np.zeros((pool.num_units, width), np.int64), np.zeros(len(pool.slots.v2p), np.int32),
-                         np.zeros(len(pool.pages.v2p), np.int32))
+                         np.zeros(len(pool.pages.v2p), np.int32),
+                         np.zeros((self.config.max_running + 1, self.cfg.unpadded_vocab_size), np.int64))
 
     def _device_table(self, table: np.ndarray) -> np.ndarray:
         return np.array(table, np.int32)
@@ -152,7 +204,7 @@ class FakeRunner(StepRunner):
         arena = self.state.arena
         if len(src):
             arena = self.move_units(arena, src, dst)
-        self.state = FakeState(arena, slot_table, page_table)
+        self.state = FakeState(arena, slot_table, page_table, self.state.counts)
         self.tables_on_device = (slot_table, page_table)
         pool.ack_moves()
         pool.tables_dirty = False
@@ -161,6 +213,13 @@ class FakeRunner(StepRunner):
         out = arena.copy()
         out[dst] = arena[src]  # one gather, then one scatter
         return out
+
+    def reset_counts(self, rows: np.ndarray, values: np.ndarray) -> None:
+        if self._lost:
+            raise RuntimeError("fake runner: the arena was lost")
+        counts = self.state.counts.copy()
+        counts[rows] = values
+        self.state = FakeState(self.state.arena, self.state.slot_v2p, self.state.page_v2p, counts)
 
     def compiled_step(self, shape: StepShape):
         self.compiled[shape] = None
@@ -192,22 +251,31 @@ class FakeRunner(StepRunner):
         return self.state.arena.shape[0] - (physical_page + 1) * self.layout.page_units
 
     def run(self, shape: StepShape, batch: StepBatch, feed: DecodeFeed | None = None) -> FakeOutput:
-        check_batch(batch, shape, self.config.spec_steps, self.config.max_stop_ids)
+        check_batch(batch, shape, self.config.spec_steps, self.config.max_stop_ids, self.config.max_logit_bias)
         if self._lost:
             raise RuntimeError("fake runner: the arena was lost")
+        sp = batch.sampling
+        live = batch.layout.num_new > 0
+        if np.any(live & (sp.min_p > 0)) or np.any(live[:, None] & (sp.bias_ids >= 0)):
+            raise ValueError("the fake runner does not emulate min_p or logit_bias")
         self.steps_run[shape.mode] += 1
         if feed is not None:
             batch = self._fed(batch, feed)
-        b, spec = shape.batch, self.config.spec_steps
+        b, spec, k = shape.batch, self.config.spec_steps, shape.top_logprobs
         width = shape.steps if shape.mode == "decode" and shape.steps > 1 else None
+        per_row = (b, width) if width else (b, spec + 1) if shape.mode == "verify" else (b,)
+        t = shape.tokens if shape.score else 0
         out = FakeOutput(np.zeros((b, width) if width else b, np.int32), np.zeros((b, width) if width else b,
                          np.float32), np.zeros(b, np.int32), np.zeros((b, spec), np.float32),
-                         np.zeros((b, spec), np.int32))
+                         np.zeros((b, spec), np.int32), np.zeros(per_row + (k,), np.int32),
+                         np.zeros(per_row + (k,), np.float32), np.zeros(t, np.float32), np.zeros((t, k), np.int32),
+                         np.zeros((t, k), np.float32))
         arena = self.state.arena.copy()  # a step is all or nothing, like the donated arena
+        counts = self.state.counts.copy()
         for i in range(b):
             if batch.layout.num_new[i] > 0:
-                self._row(arena, shape, batch, i, out, width)
-        self.state = FakeState(arena, self.state.slot_v2p, self.state.page_v2p)
+                self._row(arena, counts, shape, batch, i, out, width)
+        self.state = FakeState(arena, self.state.slot_v2p, self.state.page_v2p, counts)
         return out
 
     def _fed(self, batch: StepBatch, feed: DecodeFeed) -> StepBatch:
@@ -227,7 +295,7 @@ class FakeRunner(StepRunner):
     def _translate_slot(self, virtual: int) -> int:
         return int(self.state.slot_v2p[virtual]) if virtual > 0 else 0
 
-    def _row(self, arena: np.ndarray, shape: StepShape, batch: StepBatch, i: int, out: FakeOutput,
+    def _row(self, arena: np.ndarray, counts: np.ndarray, shape: StepShape, batch: StepBatch, i: int, out: FakeOutput,
              width: int | None) -> None:
         slot = self._translate_slot(int(batch.slots.virtual_slot[i]))
         if slot == 0:
@@ -247,8 +315,32 @@ class FakeRunner(StepRunner):
         tracks = [(int(v), int(n)) for v, n in zip(batch.slots.virtual_track_slot[i], batch.slots.track_len[i]) if n > 0]
         q0, n = int(batch.layout.query_start[i]), int(batch.layout.num_new[i])
         new = [int(t) for t in batch.layout.tokens[q0:q0 + n]]
-        temp, seed = float(batch.sampling.temperature[i]), int(batch.sampling.seed[i])
-        stops = {int(s) for s in batch.sampling.stop_ids[i] if s >= 0}
+        sp = batch.sampling
+        temp, seed = float(sp.temperature[i]), int(sp.seed[i])
+        stops = {int(s) for s in sp.stop_ids[i] if s >= 0}
+        row, out_len, k = int(sp.count_row[i]), int(sp.out_len[i]), int(out.top_ids.shape[-1])
+        repetition = float(sp.repetition_penalty[i]) != 1
+        output_penalty = float(sp.presence_penalty[i]) != 0 or float(sp.frequency_penalty[i]) != 0
+        want_top = k and int(sp.top_logprobs[i]) > 0
+
+        def choose(h, pos, out_index, extra=()):
+            """The row's next token after hash h at `pos`, its out_index-th (extra: drafts
+            counted as generated)."""
+            c = None
+            if row and (repetition or output_penalty):
+                c = counts[row].copy()
+                for t in extra:
+                    c[t] += 2
+            return next_token(h, temp, seed, pos, self.vocab, banned_tokens(
+                c, out_index, int(sp.min_tokens[i]), stops, repetition, output_penalty))
+
+        def emitted(tokens):
+            for t in tokens:
+                if row:
+                    counts[row, t] += 2
+
+        def top(h):
+            return top_tokens(h, k, self.vocab) if want_top else [(0, 0.0)] * k
 
         def advance(h, pos, tokens, tracks_at):
             for j, t in enumerate(tokens):
@@ -262,9 +354,10 @@ class FakeRunner(StepRunner):
         if shape.mode == "verify":
             drafts = new[1:]
             hh = mix(h, new[0])
+            hashes = [hh]  # the hash before each emitted position
             accepted = 0
             for d in range(len(drafts)):
-                want = next_token(hh, temp, seed, start + 1 + d, self.vocab)
+                want = choose(hh, start + 1 + d, out_len + d, drafts[:d])
                 if drafts[d] != want or accepted >= int(batch.spec.max_accept[i]):
                     break
                 out.accepted_logprobs[i, d] = token_logprob(hh, drafts[d])
@@ -272,6 +365,7 @@ class FakeRunner(StepRunner):
                 if drafts[d] in stops:
                     break
                 hh = mix(hh, drafts[d])
+                hashes.append(hh)
             stop_hit = accepted and drafts[accepted - 1] in stops
             commit = accepted + 1 - (1 if stop_hit else 0)
             h_end = advance(h, start, new[:commit], [(v, at) for v, at in tracks if at <= commit])
@@ -281,15 +375,24 @@ class FakeRunner(StepRunner):
             if stop_hit:  # the accepted stop draft is the last token: it becomes the bonus
                 bonus, out.num_accepted[i] = drafts[accepted - 1], accepted - 1
             else:
-                bonus, out.num_accepted[i] = next_token(h_end, temp, seed, start + commit, self.vocab), accepted
+                bonus, out.num_accepted[i] = choose(h_end, start + commit, out_len + accepted, drafts[:accepted]), accepted
             out.tokens[i], out.logprobs[i] = bonus, token_logprob(h_end, bonus)
+            a = int(out.num_accepted[i])
+            emitted(drafts[:a] + [bonus])
+            for j in range(a + 1):
+                self._put_top(out.top_ids[i, j], out.top_logprobs[i, j], top(hashes[j]))
             out.drafts[i] = self._drafts(mix(h_end, int(out.tokens[i])), temp, seed, start + commit + 1)
             return
         if width is None:  # extend, or a one-step decode
+            if shape.score:
+                self._score(out, batch, i, h, new)
             h_end = advance(h, start, new, tracks)
             self._write_slot(arena, slot, start + n, h_end)
-            tok = next_token(h_end, temp, seed, start + n, self.vocab)
+            tok = choose(h_end, start + n, out_len)
             out.tokens[i], out.logprobs[i] = tok, token_logprob(h_end, tok)
+            if shape.mode == "decode" or batch.spec.sample_next[i]:
+                emitted([tok])
+            self._put_top(out.top_ids[i], out.top_logprobs[i], top(h_end))
             if self.config.spec_steps:
                 out.drafts[i] = self._drafts(mix(h_end, tok), temp, seed, start + n + 1)
             return
@@ -297,12 +400,30 @@ class FakeRunner(StepRunner):
         for j in range(int(batch.layout.num_steps[i])):
             h = advance(h, pos, [token], [(v, at - j) for v, at in tracks if at == j + 1])
             self._write_slot(arena, slot, pos + 1, h)
-            token = next_token(h, temp, seed, pos + 1, self.vocab)
+            token = choose(h, pos + 1, out_len + j)
             out.tokens[i, j], out.logprobs[i, j] = token, token_logprob(h, token)
+            emitted([token])
+            self._put_top(out.top_ids[i, j], out.top_logprobs[i, j], top(h))
             out.num_accepted[i] = j + 1
             pos += 1
             if token in stops:
                 break
+
+    @staticmethod
+    def _put_top(ids: np.ndarray, logprobs: np.ndarray, top: list[tuple[int, float]]) -> None:
+        for j, (t, lp) in enumerate(top):
+            ids[j], logprobs[j] = t, lp
+
+    def _score(self, out: FakeOutput, batch: StepBatch, i: int, h: int, new: list[int]) -> None:
+        """A scoring step's row: each packed token's next-token log-prob (and top alternatives)."""
+        q0, k = int(batch.layout.query_start[i]), int(batch.sampling.prompt_top_logprobs[i])
+        for j, t in enumerate(new):
+            h = mix(h, t)
+            nxt = new[j + 1] if j + 1 < len(new) else int(batch.spec.lookahead[i, 0])
+            out.prompt_logprobs[q0 + j] = token_logprob(h, nxt)
+            if k:
+                self._put_top(out.prompt_top_ids[q0 + j], out.prompt_top_logprobs[q0 + j],
+                              top_tokens(h, out.prompt_top_ids.shape[1], self.vocab))
 
     def _drafts(self, h: int, temp: float, seed: int, pos: int) -> list[int]:
         """The fake MTP chain: the true continuation, wrong where `draft_is_wrong` says."""

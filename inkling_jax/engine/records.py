@@ -7,6 +7,9 @@ from dataclasses import dataclass, field
 
 from ..cache.prefix_tree import Node
 from .config import SamplingParams
+from .text import TextState
+
+TopLogprobs = list[tuple[int, float]]  # (token id, log-prob) pairs, most likely first
 
 
 @dataclass
@@ -15,6 +18,38 @@ class Completion:
     logprobs: list[float]  # log p of each chosen token under the model
     cached_tokens: int  # prompt tokens served from the prefix cache
     finish_reason: str  # "length", "stop" or "abort"
+    text: str | None = None  # the decoded output (an engine with a tokenizer), cut at a stop string
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    top_logprobs: list[TopLogprobs] | None = None  # SamplingParams.logprobs = k > 0: k alternatives per token
+    prompt_logprobs: list[float | None] | None = None  # prompt_logprobs: log p of each prompt token (None: the
+    #                                                    first, and positions not asked for)
+    prompt_top_logprobs: list[TopLogprobs | None] | None = None  # prompt_logprobs = k > 0: k alternatives
+    index: int = 0  # the prompt it answers (its index in the call)
+    sample: int = 0  # which of SamplingParams.n samples of that prompt
+
+
+@dataclass
+class StreamDelta:
+    """What one request added since the last delta (`Engine.stream`)."""
+
+    index: int  # the prompt it answers (its index in the call)
+    sample: int  # which of SamplingParams.n samples
+    tokens: list[int]  # new token ids (several after a multi-step decode or a verify round)
+    logprobs: list[float]  # their log-probs under the model
+    top_logprobs: list[TopLogprobs] | None  # SamplingParams.logprobs = k > 0: k alternatives per new token
+    text: str  # the decoded text they add ("" without the engine's tokenizer; held back near a stop string)
+    finish_reason: str | None  # set on the request's last delta: "length", "stop" or "abort"
+    request_id: int
+
+
+@dataclass
+class ScoreResult:
+    """`Engine.score`: a continuation's per-token log-probs given its context."""
+
+    tokens: list[int]  # the continuation
+    logprobs: list[float]  # log p(tokens[i] | context + tokens[:i])
+    top_logprobs: list[TopLogprobs] | None  # top_logprobs = k > 0: the k most likely tokens at each position
+    cached_tokens: int  # context tokens served from the prefix cache
 
 
 @dataclass
@@ -67,6 +102,18 @@ class Request:
     seed: int = 0
     submitted: float = 0.0
     first_token_at: float | None = None
+    index: int = 0  # its prompt's index in the submit call
+    sample: int = 0  # which of the prompt's n samples (seed + sample)
+    count_row: int = 0  # its row of the device count table while it runs (penalties; 0: none)
+    fork_parent: "Request | None" = None  # n samples: sample 0, whose prefill the others wait for
+    fork_depth: int = 0  # sample 0 of n: the page-aligned prompt boundary it checkpoints for its siblings
+    score_from: int | None = None  # first prompt position whose log-prob is wanted (prompt_logprobs, score)
+    prompt_top: int = 0  # alternatives wanted at each scored prompt position
+    prompt_lps: list[float | None] = field(default_factory=list)  # [prompt_len] when scored
+    prompt_tops: list[TopLogprobs | None] = field(default_factory=list)
+    out_tops: list[TopLogprobs] = field(default_factory=list)  # SamplingParams.logprobs > 0
+    text: TextState | None = None  # incremental detokenization and stop strings (engine with a tokenizer)
+    stop_reason: int | str | None = None
 
     @property
     def committed(self) -> int:
@@ -76,5 +123,17 @@ class Request:
     def pending(self) -> int:
         return len(self.tokens) - self.held.committed
 
+    @property
+    def output_end(self) -> int:
+        """len(tokens) as the caller sees it: the prompt and the returned output (tokens past a
+        stop string's match may follow in `tokens`: the device ran them)."""
+        return self.prompt_len + len(self.out_tokens)
+
     def completion(self) -> Completion:
-        return Completion(list(self.out_tokens), list(self.out_logprobs), self.cached, self.finish_reason)
+        scored = self.score_from is not None
+        return Completion(list(self.out_tokens), list(self.out_logprobs), self.cached, self.finish_reason,
+                          text=None if self.text is None else self.text.text, stop_reason=self.stop_reason,
+                          top_logprobs=list(self.out_tops) if self.sampling.logprobs else None,
+                          prompt_logprobs=list(self.prompt_lps) if scored else None,
+                          prompt_top_logprobs=list(self.prompt_tops) if scored and self.prompt_top else None,
+                          index=self.index, sample=self.sample)

@@ -10,6 +10,16 @@ through a method here; the resource side of each transition (slots, pages, check
 prefix tree) is delegated to `Admission` and `CheckpointPolicy`, which this object builds and
 owns. `Engine` reads the lists; nothing else writes them.
 
+Beside the pool, a running request with a count-based penalty holds a row of the device's
+count table (`Request.count_row`, rows 1..max_running; `steps/counts.py`): taken at
+admission, written before its first step (`take_count_resets`), given back when it leaves.
+
+n samples of one prompt (`SamplingParams.n`): sample 0 checkpoints its prompt at the last page
+boundary before the prompt's last token (`Request.fork_depth`), and the other samples wait in
+the queue until it has (or has left): they are then admitted as prefix hits on that boundary,
+so the shared part of the prompt is computed once. Each sample is otherwise a request of its
+own (seed + j), so its output is the one a separate request with that seed gives.
+
 The capacity contract: a request accepted at submit (`Admission.never_fits` found room beside
 what open sessions may keep, `Admission.session_holdings`) is eventually admitted; admission
 is first come, first served, so only the requests ahead of it can grow a session first. A
@@ -40,6 +50,8 @@ class Requests:
         self.checkpoints = CheckpointPolicy(config, tree, self.admission, stats)
         self._rids = itertools.count()
         self._sids = itertools.count(1)
+        self.free_count_rows = list(range(config.max_running, 0, -1))  # pop() gives the smallest
+        self.count_resets: list[Request] = []  # admitted with a count row not written yet
 
     def new_rid(self) -> int:
         return next(self._rids)
@@ -73,7 +85,8 @@ class Requests:
     def queue(self, requests: list[Request], session: Session | None = None) -> None:
         """Requests validated and accepted at submit join the queue (a session's turn: one)."""
         for r in requests:
-            self.stats.prompt_tokens += r.prompt_len - (len(session.tokens) if session else 0)
+            if not r.sample:  # n samples: one prompt
+                self.stats.prompt_tokens += r.prompt_len - (len(session.tokens) if session else 0)
             self.waiting.append(r)
         if session is not None:
             session.turn = requests[0]
@@ -90,9 +103,14 @@ class Requests:
         i = 0
         while i < len(self.waiting) and len(self.running) < self.config.max_running:
             r = self.waiting[i]
+            if self._waits_for_fork(r) and self.running:
+                break  # FCFS: the samples behind it wait too
             if self.admission.admit(r, shallower=not self.running):
                 self.waiting.pop(i)
                 self.running.append(r)
+                if r.sampling.penalized:
+                    r.count_row = self.free_count_rows.pop()
+                    self.count_resets.append(r)
                 continue
             self.stats.deferred += 1
             if self.running:
@@ -114,6 +132,29 @@ class Requests:
                 self._give_up(0, reason)
         return given_up
 
+    @staticmethod
+    def _waits_for_fork(r: Request) -> bool:
+        """A sample of n waits while sample 0 runs or waits and has not yet checkpointed the
+        shared prompt boundary (its prefill stops there first, `Scheduler.plan`)."""
+        p = r.fork_parent
+        return (p is not None and p.finish_reason is None and p.error is None and p.fork_depth > 0
+                and p.committed < p.fork_depth)
+
+    def take_count_resets(self) -> list[Request]:
+        """The running requests whose count rows must be written before the next step (the
+        caller writes them, then `count_resets_done`)."""
+        return [r for r in self.count_resets if r.count_row]
+
+    def count_resets_done(self, done: list[Request]) -> None:
+        self.count_resets = [r for r in self.count_resets if r not in done]
+
+    def _release_count_row(self, r: Request) -> None:
+        if r.count_row:
+            self.free_count_rows.append(r.count_row)
+            r.count_row = 0
+        if r in self.count_resets:
+            self.count_resets.remove(r)
+
     def _give_up(self, index: int, reason: str) -> None:
         r = self.waiting.pop(index)
         r.error = reason
@@ -124,10 +165,17 @@ class Requests:
         """A finished (or aborted) running request leaves: its state goes to its session, or
         its newest checkpoint to the tree and everything else back to the pool."""
         self.running.remove(r)
+        self._release_count_row(r)
         held = r.held
         held.reserved_pages = 0
         if r.session is not None:
-            r.session.held, r.session.tokens, r.session.turn = held, r.tokens, None
+            sess, end = r.session, r.output_end
+            sess.tokens, sess.turn = r.tokens[:end], None
+            if held.committed <= end:
+                sess.held = held
+            else:  # a stop string cut the output before what the state holds: the next turn
+                sess.held = None  # rebuilds from the history (perhaps from the prefix cache)
+                self.admission.release(held)
             return
         kept = self.checkpoints.insert_at_finish(r)
         self.admission.release(held, keep_track=kept)
@@ -157,6 +205,7 @@ class Requests:
         function of them)."""
         for r in self.running:
             self.admission.release(r.held)
+            self._release_count_row(r)
             r.held, r.virtual_cow_slot, r.drafts = Resources(), 0, []
         self.waiting[:0] = self.running
         self.running.clear()

@@ -7,12 +7,13 @@ The host policy (`scheduler.py`) decides *what* runs; the runner runs it:
     runner.apply_pool(pool)                            # compaction moves + id tables -> device (atomic)
     out = runner.run(shape, batch)                     # one compiled step (state donated)
 
-Every program (the steps, the compaction copies, the zero state, the decode feed) comes from
-`inkling_jax/programs.py`: the process's bounded program table, then the executable cache on
-disk, else a compile. The runner holds the programs it uses (`compiled`, its moves and
-feeds) for as long as it lives: a dropped engine's programs are freed once they also fall out
-of the table. `warmup()` makes every bucket the scheduler can pick, and the compaction copy
-for every move count it pads to, concurrently in the compile pool (`wait=False`: in the
+Every program (the steps, the compaction copies, the zero state, the count-table writes, the
+decode feed) comes from `inkling_jax/programs.py`: the process's bounded program table, then
+the executable cache on disk, else a compile. The runner holds the programs it uses
+(`compiled`, its moves, count-table writes and feeds) for as long as it lives: a dropped
+engine's programs are freed once they also fall out of the table. `warmup()` makes every
+bucket the scheduler can pick, the count-table write of every batch bucket and the compaction
+copy for every move count it pads to, concurrently in the compile pool (`wait=False`: in the
 background, a step then waits only for its own program); `stats` counts the step executables
 this engine needed and the seconds it waited for those not already in the process.
 
@@ -51,6 +52,7 @@ from ..parallel import serving
 from ..parallel.plan import ShardPlan
 from ..parallel.planner import MemoryPlan
 from ..steps import StepBatch, StepOutput, StepShape, check_batch, compile_lowered, compile_step, feed_decode
+from ..steps import counts as counts_lib
 from ..steps.program import gpu_step_options
 from .config import EngineConfig
 from .interrupts import critical
@@ -185,18 +187,20 @@ class StepRunner:
         self.page_buckets = ladder(top_p, min(top_p, pow2_ceil(math.ceil(config.min_context_bucket / config.page_size))))
         self.extend_checkpoints = extend_checkpoints  # M of extend steps (decode / verify: 1)
         # the programs this engine uses, by kind: steps by StepShape, unit copies by padded
-        # move count, decode feeds by (batch bucket, previous batch bucket)
-        self._programs: dict[str, dict[Any, Any]] = {"step": {}, "move": {}, "feed": {}}
+        # move count, count-table writes by batch bucket, decode feeds by (batch bucket,
+        # previous batch bucket)
+        self._programs: dict[str, dict[Any, Any]] = {"step": {}, "move": {}, "counts": {}, "feed": {}}
         self.compiled: dict[StepShape, Any] = self._programs["step"]
         self._pending: dict[tuple[str, Any], Future] = {}  # asked for by warmup(wait=False), not taken yet
         self.stats = dict(compiles=0, compile_seconds=0.0)
 
     def _zero_state(self, pool: UnitPool) -> ServingState:
         slots, pages = len(pool.slots.v2p) - 1, len(pool.pages.v2p) - 1
+        rows, vocab = self.config.max_running + 1, self.cfg.unpadded_vocab_size  # the count table (penalties)
         if self.plan is not None:
-            return serving.init_sharded_state(self.plan, self.layout, pool.num_units, slots, pages, self.dtype,
-                                              cache=self.executable_cache)
-        shapes = (self.layout, pool.num_units, slots, pages, jnp.dtype(self.dtype))
+            return serving.init_sharded_state(self.plan, self.layout, pool.num_units, slots, pages, self.dtype, rows,
+                                              vocab, cache=self.executable_cache)
+        shapes = (self.layout, pool.num_units, slots, pages, jnp.dtype(self.dtype), rows, vocab)
         spec = dict(shapes=shapes, device=getattr(jax.config, "jax_default_device", None))
         zeros = programs.get("zero_state", spec, lambda: jax.jit(partial(init_state, *shapes)),
                              cache=self.executable_cache)
@@ -209,17 +213,20 @@ class StepRunner:
 
     # ------------------------------------------------------------------ shapes
 
-    def shape(self, mode: str, rows: int, tokens: int, pages: int) -> StepShape:
-        """The bucket a step of `rows` rows, `tokens` packed tokens and `pages` page columns uses."""
+    def shape(self, mode: str, rows: int, tokens: int, pages: int, score: bool = False) -> StepShape:
+        """The bucket a step of `rows` rows, `tokens` packed tokens and `pages` page columns uses
+        (`score`: an extend step that scores its tokens, compiled when first used)."""
         b = next(x for x in self.batch_buckets if x >= rows)
         p = next(x for x in self.page_buckets if x >= pages)
+        top = self.config.max_logprobs
         if mode == "decode":
-            return StepShape("decode", b, b, 1, p, steps=self.decode_steps)
+            return StepShape("decode", b, b, 1, p, steps=self.decode_steps, top_logprobs=top)
         if mode == "verify":
             q = self.config.spec_steps + 1
-            return StepShape("verify", b, b * q, q, p)
+            return StepShape("verify", b, b * q, q, p, top_logprobs=top)
         t = next(x for x in self.token_buckets if x >= max(tokens, b))
-        return StepShape("extend", b, t, min(self.config.chunk_size, t), p, self.extend_checkpoints)
+        return StepShape("extend", b, t, min(self.config.chunk_size, t), p, self.extend_checkpoints, top_logprobs=top,
+                         score=score)
 
     def all_shapes(self) -> list[StepShape]:
         """Every shape the scheduler can pick."""
@@ -231,7 +238,7 @@ class StepRunner:
         return shapes
 
     def empty_batch(self, shape: StepShape) -> StepBatch:
-        return StepBatch.empty(shape, self.config.spec_steps, self.config.max_stop_ids)
+        return StepBatch.empty(shape, self.config.spec_steps, self.config.max_stop_ids, self.config.max_logit_bias)
 
     # --------------------------------------------------------------- compiling
 
@@ -241,6 +248,8 @@ class StepRunner:
             return partial(self._request_step, key)
         if kind == "move":
             return partial(self._request_move, key)
+        if kind == "counts":
+            return partial(self._request_counts, key)
         return partial(self._request_feed, *key)
 
     def _program(self, kind: str, key: Any) -> Any:
@@ -276,12 +285,14 @@ class StepRunner:
                                 background=background)
 
     def warmup(self, max_move_units: int, overlap: bool = False, wait: bool = True) -> None:
-        """Make every bucket the scheduler can pick, and the compaction copy for every padded
-        move count up to max_move_units (with overlap, the decode feed for every pair of batch
-        buckets too), concurrently in the compile pool (extend steps first: a prefill comes
-        first). wait: return once all are ready (nothing compiles while serving); False: return
-        at once, each step waiting only for the program it runs."""
+        """Make every bucket the scheduler can pick (scoring extend steps excepted: they are
+        made when first used), the count-table write of every batch bucket, and the compaction
+        copy for every padded move count up to max_move_units (with overlap, the decode feed
+        for every pair of batch buckets too), concurrently in the compile pool (extend steps
+        first: a prefill comes first). wait: return once all are ready (nothing compiles while
+        serving); False: return at once, each step waiting only for the program it runs."""
         wanted = [("step", shape) for shape in sorted(self.all_shapes(), key=lambda s: s.mode != "extend")]
+        wanted += [("counts", b) for b in self.batch_buckets]  # count-table writes (penalties)
         n = 1
         while True:
             wanted.append(("move", n))
@@ -319,7 +330,7 @@ class StepRunner:
         feed: a multi-step decode dispatched before the previous one's outputs were read
         (the engine's overlap): its rows' tokens and activity come from `feed.prev` on the
         device (`steps/feed.py`)."""
-        check_batch(batch, shape, self.config.spec_steps, self.config.max_stop_ids)
+        check_batch(batch, shape, self.config.spec_steps, self.config.max_stop_ids, self.config.max_logit_bias)
         fn = self.compiled_step(shape)
         if feed is not None:
             if shape.mode != "decode" or shape.steps < 2:
@@ -347,7 +358,8 @@ class StepRunner:
         with critical():
             if len(src):
                 arena = self.move_units(arena, src, dst)
-            self.state = ServingState(arena, self._device_table(slot_table), self._device_table(page_table))
+            self.state = ServingState(arena, self._device_table(slot_table), self._device_table(page_table),
+                                      self.state.counts)
             self.tables_on_device = (slot_table, page_table)
             pool.ack_moves()
             pool.tables_dirty = False
@@ -377,9 +389,27 @@ class StepRunner:
         return programs.request("move_units", spec, make, (self.state.arena, rows, rows),
                                 cache=self.executable_cache, background=background)
 
+    def reset_counts(self, rows: np.ndarray, values: np.ndarray) -> None:
+        """Write count-table rows (`steps/counts.py`: requests with penalties, before their first
+        step); rows padded to a batch bucket, so there is one program per bucket."""
+        n = next(x for x in self.batch_buckets if x >= len(rows))
+        rows = pad_to(rows, n, self.config.max_running + 1)
+        values = np.concatenate([values, np.zeros((n - len(values), values.shape[1]), np.int32)])
+        fn = self._program("counts", n)
+        with critical():
+            self.state = self.state.replace(counts=fn(self.state.counts, rows, values))
+
+    def _request_counts(self, n: int, background: bool) -> Future:
+        """The count-table write of n (padded) rows (the table donated)."""
+        rows = jax.ShapeDtypeStruct((n,), jnp.int32)
+        values = jax.ShapeDtypeStruct((n, self.state.counts.shape[1]), jnp.int32)
+        return programs.request("reset_counts", {}, lambda: counts_lib.reset_rows, (self.state.counts, rows, values),
+                                cache=self.executable_cache, background=background)
+
     def state_lost(self) -> bool:
         """The arena was donated to a computation whose result never arrived."""
-        return self.state.arena.is_deleted()
+        counts = self.state.counts
+        return self.state.arena.is_deleted() or (counts is not None and counts.is_deleted())
 
     def rebuild_state(self, pool: UnitPool) -> None:
         """A zero arena and the pool's tables (after a reset: nothing live holds device state)."""

@@ -46,6 +46,11 @@ class HostOutputs:
     num_accepted: np.ndarray  # [B] (verify: drafts accepted; K-step decode: steps run)
     accepted_logprobs: np.ndarray  # [B, S]
     drafts: np.ndarray  # [B, S]
+    top_ids: np.ndarray  # [B, L] (K-step decode: [B, K, L]; verify: [B, S+1, L])
+    top_logprobs: np.ndarray  # as top_ids
+    prompt_logprobs: np.ndarray  # [T] (a scoring extend step; else [0])
+    prompt_top_ids: np.ndarray  # [T, L]
+    prompt_top_logprobs: np.ndarray  # [T, L]
 
 
 @dataclass
@@ -59,6 +64,7 @@ class StepPlan:
     # planned for feed_steps[i] steps; its token and activity come from that dispatch's outputs
     feed_rows: list[int] | None = None
     feed_steps: list[int] | None = None
+    score: bool = False  # an extend step that scores its tokens (a row wants prompt log-probs)
 
     @property
     def max_pages(self) -> int:
@@ -106,6 +112,8 @@ class Scheduler:
                         first + cfg.track_interval - 1 - r.committed)
             else:
                 n = max(min(r.pending, cfg.chunk_size, budget - (len(running) - len(new_tokens) - 1)), 1)
+                if r.score_from is not None:  # scored chunks start at multiples of chunk_size, with a
+                    n = min(n, cfg.chunk_size - r.committed % cfg.chunk_size)  # cache hit or without
             n, cks = self.checkpoints.plan(r, n)  # may cut the chunk at a checkpoint
             new_tokens.append(n)
             checkpoints.append(cks)
@@ -113,8 +121,15 @@ class Scheduler:
         for r, n in zip(running, new_tokens):
             self.admission.grow_pages(r.held, r.committed + n)
         plan = StepPlan(mode, list(running), new_tokens, checkpoints)
+        plan.score = mode == "extend" and any(self._scored(r, r.committed, n) for r, n in zip(running, new_tokens))
         plan.rows = [self._row_plan(mode, r, n, cks, drafts_for) for r, n, cks in zip(running, new_tokens, checkpoints)]
         return plan
+
+    @staticmethod
+    def _scored(r: Request, start: int, n: int) -> bool:
+        """A chunk of r over positions [start, start + n) yields prompt log-probs it wants: the
+        next tokens of some of them are prompt tokens at or after `score_from`."""
+        return r.score_from is not None and max(start + 1, r.score_from) <= min(start + n, r.prompt_len - 1)
 
     def needs_extend(self, r: Request) -> bool:
         """r's next step is an extend step: it has pending tokens besides its last, or (with
@@ -179,7 +194,9 @@ class Scheduler:
                       virtual_pages=held.virtual_pages, virtual_cow_slot=r.virtual_cow_slot if start is None else 0,
                       sampling=r.sampling, seed=r.seed, stop_ids=self.stop_ids(r)[:self.config.max_stop_ids],
                       virtual_track_slots=[ck.virtual_slot for ck in checkpoints],
-                      track_lens=[ck.depth - seq_start for ck in checkpoints])
+                      track_lens=[ck.depth - seq_start for ck in checkpoints], count_row=r.count_row,
+                      out_len=len(r.out_tokens) + (seq_start - held.committed),
+                      prompt_top_logprobs=r.prompt_top if mode == "extend" and self._scored(r, seq_start, n) else 0)
         if start is not None:
             row.tokens, row.num_steps, row.sample_next = [0], n, True
             return row
@@ -214,7 +231,9 @@ class Scheduler:
         self.stats.count_step(plan.mode)
         now = time.perf_counter()
         live = {id(r) for r in self.running}
+        packed = 0  # the row's first packed token (rows are packed in order)
         for i, (r, n, cks) in enumerate(zip(plan.requests, plan.new_tokens, plan.checkpoints)):
+            q0, packed = packed, packed + len(plan.rows[i].tokens)
             if id(r) not in live:  # planned ahead, then finished (or aborted) before this step: the
                 continue           # device ran its row as padding (steps/feed.py), its slots are gone
             r.virtual_cow_slot = 0
@@ -224,15 +243,19 @@ class Scheduler:
                 continue
             if out.tokens.ndim == 2:  # a K-step decode: the row ran num_accepted steps
                 ran = int(out.num_accepted[i])
-                r.held.committed += ran
+                self._advance(r, ran)
                 self.checkpoints.after(r, cks)
                 for j in range(ran):
-                    self.emit(r, int(out.tokens[i, j]), float(out.logprobs[i, j]), now)
+                    self.emit(r, int(out.tokens[i, j]), float(out.logprobs[i, j]), now,
+                              self._top(r, out.top_ids[i, j], out.top_logprobs[i, j]))
                 continue
-            r.held.committed += n
+            if plan.score and r.score_from is not None:
+                self._record_scores(r, r.held.committed, n, out, q0)
+            self._advance(r, n)
             self.checkpoints.after(r, cks)
             if r.committed == len(r.tokens):  # the row reached the end: its sample is the next token
-                self.emit(r, int(out.tokens[i]), float(out.logprobs[i]), now)
+                self.emit(r, int(out.tokens[i]), float(out.logprobs[i]), now,
+                          self._top(r, out.top_ids[i], out.top_logprobs[i]))
                 if self.config.spec_steps:
                     r.drafts = [int(t) for t in out.drafts[i]]
         finished = [r for r in plan.requests if r.finish_reason is not None and id(r) in live]
@@ -240,18 +263,45 @@ class Scheduler:
             self.requests.finish(r)
         return finished
 
+    def _advance(self, r: Request, n: int) -> None:
+        """r's state took n more tokens (counted in `prompt_tokens_computed` where they are
+        prompt tokens)."""
+        before = r.held.committed
+        r.held.committed += n
+        self.stats.prompt_tokens_computed += max(0, min(r.held.committed, r.prompt_len) - before)
+
+    @staticmethod
+    def _top(r: Request, ids: np.ndarray, logprobs: np.ndarray) -> list[tuple[int, float]] | None:
+        """The alternatives r asked for (SamplingParams.logprobs) from a step's top-L outputs."""
+        k = r.sampling.logprobs
+        return [(int(t), float(lp)) for t, lp in zip(ids[:k], logprobs[:k])] if k else None
+
+    @staticmethod
+    def _record_scores(r: Request, start: int, n: int, out: HostOutputs, q0: int) -> None:
+        """Prompt log-probs of a scoring step: packed token q0 + j (position start + j) gives the
+        log-prob of the prompt token at start + j + 1."""
+        for j in range(n):
+            pos = start + j + 1
+            if r.score_from <= pos < r.prompt_len:
+                r.prompt_lps[pos] = float(out.prompt_logprobs[q0 + j])
+                if r.prompt_top:
+                    r.prompt_tops[pos] = [(int(t), float(lp)) for t, lp in
+                                          zip(out.prompt_top_ids[q0 + j, :r.prompt_top],
+                                              out.prompt_top_logprobs[q0 + j, :r.prompt_top])]
+
     def _commit_verify(self, r: Request, row: RowPlan, out: HostOutputs, i: int, now: float) -> None:
         a = int(out.num_accepted[i])
         emitted = [int(t) for t in row.tokens[1:1 + a]] + [int(out.tokens[i])]
         lps = [float(x) for x in out.accepted_logprobs[i, :a]] + [float(out.logprobs[i])]
-        r.held.committed += a + 1
-        for tok, lp in zip(emitted, lps):
-            self.emit(r, tok, lp, now)
+        self._advance(r, a + 1)
+        for j, (tok, lp) in enumerate(zip(emitted, lps)):
+            self.emit(r, tok, lp, now, self._top(r, out.top_ids[i, j], out.top_logprobs[i, j]))
         r.accept_lengths.append(a)
         self.stats.count_verify_row(a)
         r.drafts = [int(t) for t in out.drafts[i]]
 
-    def emit(self, r: Request, token: int, logprob: float, now: float) -> None:
+    def emit(self, r: Request, token: int, logprob: float, now: float,
+             top: list[tuple[int, float]] | None = None) -> None:
         r.tokens.append(token)  # the state's history, even past a stop (it is committed)
         if r.finish_reason is not None:
             return
@@ -259,8 +309,19 @@ class Scheduler:
             r.first_token_at = now
         r.out_tokens.append(token)
         r.out_logprobs.append(logprob)
+        if top is not None:
+            r.out_tops.append(top)
         self.stats.generated_tokens += 1
-        if (r.sampling.stop_at_eos and token == self.cfg.eos_token_id) or token in r.sampling.stop_token_ids:
-            r.finish_reason = "stop"
-        elif len(r.out_tokens) >= r.sampling.max_new_tokens:
+        sp = r.sampling
+        may_stop = len(r.out_tokens) > sp.min_tokens  # min_tokens: the device suppressed stop ids until then
+        eos = may_stop and sp.stop_at_eos and token == self.cfg.eos_token_id
+        # the text: every token but an eos that ends the request (as a special token, not decoded)
+        matched = r.text.push(token, may_stop) if r.text is not None and not eos else None
+        if matched is not None:
+            r.finish_reason, r.stop_reason = "stop", matched
+        elif eos or (may_stop and token in sp.stop_token_ids):
+            r.finish_reason, r.stop_reason = "stop", token
+        elif len(r.out_tokens) >= sp.max_new_tokens:
             r.finish_reason = "length"
+        if r.finish_reason is not None and r.text is not None:
+            r.text.finish()

@@ -17,6 +17,7 @@ class EngineStats:
     accepted_at_depth: list[int] = field(default_factory=list)  # verify rows that accepted depth d's draft
     generated_tokens: int = 0
     prompt_tokens: int = 0  # new prompt tokens submitted (a session turn's own tokens)
+    prompt_tokens_computed: int = 0  # prompt positions the steps ran (cache hits and n-sample forks excluded)
     cache_hit_tokens: int = 0
     evicted_slots: int = 0
     evicted_pages: int = 0

@@ -16,6 +16,7 @@ Placement, global array -> what device (e, t) of the ("ep", "tp") mesh holds:
                                                                  `plan.local_cfg`
     slot_v2p   [num_virtual_slots + 1] int32, replicated         all of it
     page_v2p   [num_virtual_pages + 1] int32, replicated         all of it
+    counts     [rows, vocab] int32 (penalties), replicated     all of it (every device counts the same tokens)
     batch      StepBatch of numpy arrays, replicated             all of it
     outputs    StepOutput, replicated                            all of it (same on every device)
 
@@ -64,7 +65,7 @@ ARENA_SPEC = PartitionSpec(None, TP_AXIS, None)  # [num_units, tp, unit_elems_lo
 
 def state_specs() -> ServingState:
     """PartitionSpecs of the serving state (a ServingState of specs, for shard_map)."""
-    return ServingState(ARENA_SPEC, REPLICATED, REPLICATED)
+    return ServingState(ARENA_SPEC, REPLICATED, REPLICATED, REPLICATED)
 
 
 def state_shardings(mesh: Mesh) -> ServingState:
@@ -118,12 +119,15 @@ def _placed_elsewhere(x: jax.Array, want: NamedSharding) -> bool:
 
 
 def init_sharded_state(plan: ShardPlan, layout: ArenaLayout, num_units: int, num_virtual_slots: int,
-                       num_virtual_pages: int, dtype: Any, cache: str | None = "auto") -> ServingState:
+                       num_virtual_pages: int, dtype: Any, count_rows: int = 1, vocab: int = 0,
+                       cache: str | None = "auto") -> ServingState:
     """A zero serving state on the mesh: arena [num_units, tp, layout.unit_elems] (layout: the
-    local one), each device allocating only its block; id tables replicated. The program is
-    `inkling_jax.programs`' (an engine's reset, or another engine of the same geometry, compiles
-    nothing); cache: its executable cache setting."""
-    shapes = ((num_units, plan.tp, layout.unit_elems), (num_virtual_slots + 1,), (num_virtual_pages + 1,))
+    local one), each device allocating only its block; id tables and the count table
+    [count_rows, vocab] (`steps/counts.py`) replicated. The program is `inkling_jax.programs`'
+    (an engine's reset, or another engine of the same geometry, compiles nothing); cache: its
+    executable cache setting."""
+    shapes = ((num_units, plan.tp, layout.unit_elems), (num_virtual_slots + 1,), (num_virtual_pages + 1,),
+              (count_rows, vocab))
     dtype = jnp.dtype(dtype)
     return programs.get("sharded_zero_state", dict(mesh=plan.mesh, shapes=shapes, dtype=dtype),
                         partial(_zero_state_fn, plan.mesh, shapes, dtype), cache=cache)()
@@ -131,8 +135,9 @@ def init_sharded_state(plan: ShardPlan, layout: ArenaLayout, num_units: int, num
 
 def _zero_state_fn(mesh: Mesh, shapes: tuple[tuple[int, ...], ...], dtype: Any):
     """jit of a zero state placed by `state_shardings`."""
-    arena, slots, pages = shapes
-    return jax.jit(lambda: ServingState(jnp.zeros(arena, dtype), jnp.zeros(slots, jnp.int32), jnp.zeros(pages, jnp.int32)),
+    arena, slots, pages, counts = shapes
+    return jax.jit(lambda: ServingState(jnp.zeros(arena, dtype), jnp.zeros(slots, jnp.int32), jnp.zeros(pages, jnp.int32),
+                                        jnp.zeros(counts, jnp.int32)),
                    out_shardings=state_shardings(mesh))
 
 

@@ -22,6 +22,7 @@ from .sampling import GREEDY, SamplingArrays, SamplingParams
 
 MODES = ("extend", "decode", "verify")
 DEFAULT_MAX_STOP_IDS = 8  # stop-id columns of a batch unless the engine asks for more
+DEFAULT_MAX_LOGIT_BIAS = 16  # logit-bias columns of a batch unless the engine asks for more
 PAD_TOKEN_OFFSET = 64  # padding tokens sit this far past a row's last new-token index (and any conv tap)
 
 
@@ -36,6 +37,8 @@ class StepShape:
     pages: int  # P: page-table columns (context up to P * page_size tokens)
     tracks: int = 1  # M: checkpoints one row may write in the step (boundaries inside its chunk)
     steps: int = 1  # K: decode steps one dispatch runs (a loop on the device; `decode_loop.py`)
+    top_logprobs: int = 0  # L: top alternatives (token, log-prob) the step can report per emitted token
+    score: bool = False  # extend: also the log-prob of every packed token's known next token (and its top L)
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -48,6 +51,10 @@ class StepShape:
             raise ValueError("a step has at least one checkpoint column")
         if self.steps < 1 or (self.steps > 1 and self.mode != "decode"):
             raise ValueError("only decode dispatches run several steps (steps >= 1)")
+        if self.top_logprobs < 0:
+            raise ValueError("top_logprobs must be >= 0")
+        if self.score and self.mode != "extend":
+            raise ValueError("only extend steps score their tokens")
 
 
 @jax.tree_util.register_dataclass
@@ -101,7 +108,8 @@ class StepBatch:
     spec: SpecArrays
 
     @staticmethod
-    def empty(shape: StepShape, spec_steps: int = 0, max_stop_ids: int = DEFAULT_MAX_STOP_IDS) -> "StepBatch":
+    def empty(shape: StepShape, spec_steps: int = 0, max_stop_ids: int = DEFAULT_MAX_STOP_IDS,
+              max_logit_bias: int = DEFAULT_MAX_LOGIT_BIAS) -> "StepBatch":
         """An all-padding batch of `shape` (numpy), to fill in place or with dataclasses.replace."""
         b, t, p = shape.batch, shape.tokens, shape.pages
         i32 = lambda *n: np.zeros(n, np.int32)
@@ -111,15 +119,15 @@ class StepBatch:
                                num_new=i32(b), seq_start=i32(b), has_state=np.zeros(b, bool), num_steps=i32(b)),
             slots=RowSlots(virtual_slot=i32(b), virtual_pages=i32(b, p), virtual_track_slot=i32(b, shape.tracks),
                            track_len=i32(b, shape.tracks), virtual_cow_slot=i32(b)),
-            sampling=SamplingArrays.empty(b, max_stop_ids),
+            sampling=SamplingArrays.empty(b, max_stop_ids, max_logit_bias),
             spec=SpecArrays(lookahead=i32(b, spec_steps + 1), sample_next=np.zeros(b, bool), max_accept=i32(b)))
 
 
 def check_batch(batch: StepBatch, shape: StepShape, spec_steps: int = 0,
-                max_stop_ids: int = DEFAULT_MAX_STOP_IDS) -> None:
+                max_stop_ids: int = DEFAULT_MAX_STOP_IDS, max_logit_bias: int = DEFAULT_MAX_LOGIT_BIAS) -> None:
     """Raise ValueError naming the first field whose shape does not fit the compiled bucket
     (before anything is donated, so the state is untouched)."""
-    want = StepBatch.empty(shape, spec_steps, max_stop_ids)
+    want = StepBatch.empty(shape, spec_steps, max_stop_ids, max_logit_bias)
     for group in ("layout", "slots", "sampling", "spec"):
         for name in getattr(want, group).__dataclass_fields__:
             got, expected = (tuple(getattr(getattr(x, group), name).shape) for x in (batch, want))
@@ -148,22 +156,25 @@ class RowPlan:
     sample_next: bool = True  # spec: the token after the new ones is this step's sample
     max_accept: int = 0  # verify: most drafts to accept
     num_steps: int = 1  # multi-step decode: steps the row runs at most (its one token is the first step's)
+    out_len: int = 0  # tokens the request generated before this step (min_tokens)
+    count_row: int = 0  # the request's row of the state's count table (0: none; penalties)
+    prompt_top_logprobs: int = 0  # scoring steps: top alternatives wanted at its prompt positions
 
 
 def pack_batch(shape: StepShape, rows: Sequence[RowPlan], spec_steps: int = 0,
-               max_stop_ids: int = DEFAULT_MAX_STOP_IDS) -> StepBatch:
+               max_stop_ids: int = DEFAULT_MAX_STOP_IDS, max_logit_bias: int = DEFAULT_MAX_LOGIT_BIAS) -> StepBatch:
     """Lay `rows` out as a padded StepBatch of `shape` (numpy; see the module docstring).
 
     Raises ValueError when the rows do not fit the shape (too many rows, tokens, pages or
-    stop ids, or a row with more new tokens than Q)."""
+    stop ids or logit biases, or a row with more new tokens than Q)."""
     if len(rows) > shape.batch:
         raise ValueError(f"{len(rows)} rows do not fit a batch of {shape.batch}")
     total = sum(len(r.tokens) for r in rows)
     if total > shape.tokens:
         raise ValueError(f"{total} new tokens do not fit a step of {shape.tokens}")
-    b = StepBatch.empty(shape, spec_steps, max_stop_ids)
+    b = StepBatch.empty(shape, spec_steps, max_stop_ids, max_logit_bias)
     lay, ids, spec = b.layout, b.slots, b.spec
-    b.sampling = SamplingArrays.pack([(r.sampling, r.seed, r.stop_ids) for r in rows], shape.batch, max_stop_ids)
+    b.sampling = SamplingArrays.pack(rows, shape.batch, max_stop_ids, max_logit_bias)
     pos = 0
     for i, r in enumerate(rows):
         n = len(r.tokens)

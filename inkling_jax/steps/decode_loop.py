@@ -13,13 +13,15 @@ otherwise than the lone step):
         has_state  = batch.layout.has_state or j > 0
         cow slot   = batch.slots.virtual_cow_slot at j = 0 only (a prefix hit restores once)
         checkpoint = batch.slots.track_len == j + 1      (the boundary after this step's token)
+        out_len    = batch.sampling.out_len + j           (min_tokens; the counts follow in the state)
 
 A row is active while j < num_steps[i] and no earlier iteration sampled one of its stop ids
 (`batch.sampling.stop_ids`, its eos included). An inactive row is a padded row (sink slot and pages,
 no new token): the state past a stop is never written, as when the host stops feeding it.
 
 Outputs: tokens / logprobs [B, K] (iteration j's sample in column j; columns at and past
-`num_accepted` are not valid), num_accepted [B] = the iterations the row ran. A while loop
+`num_accepted` are not valid), top_ids / top_logprobs [B, K, L] likewise, num_accepted [B] =
+the iterations the row ran. A while loop
 with a static trip count (fori_loop over constants) runs on the device without reading a
 predicate back to the host.
 """
@@ -35,17 +37,18 @@ import jax.numpy as jnp
 from .batch import PAD_TOKEN_OFFSET, StepBatch
 
 
-def decode_loop(single_step: Callable, state, batch: StepBatch, steps: int, query: int):
+def decode_loop(single_step: Callable, state, batch: StepBatch, steps: int, query: int, top_logprobs: int = 0):
     """Run `single_step(state, batch_j) -> (StepOutput, state)` for j = 0..steps-1 with the
-    batch of each iteration as the module docstring says. Returns (tokens [B, K], logprobs
-    [B, K], steps run [B], the last iteration's drafts [B, S], state); `run_step` makes the
-    StepOutput of them."""
+    batch of each iteration as the module docstring says (`top_logprobs`: the step's L).
+    Returns (tokens [B, K], logprobs [B, K], top_ids [B, K, L], top_logprobs [B, K, L], steps
+    run [B], the last iteration's drafts [B, S], state); `run_step` makes the StepOutput of
+    them."""
     b = batch.layout.num_new.shape[0]
     pad_offset = query + PAD_TOKEN_OFFSET
     stops = batch.sampling.stop_ids
 
     def body(j, carry):
-        state, token, active, tokens, logprobs, ran, drafts = carry
+        state, token, active, tokens, logprobs, top_ids, top_lps, ran, drafts = carry
         col = lambda x: jnp.where(active[:, None], x, 0)
         lay, ids = batch.layout, batch.slots
         step_batch = dataclasses.replace(
@@ -56,17 +59,22 @@ def decode_loop(single_step: Callable, state, batch: StepBatch, steps: int, quer
             slots=dataclasses.replace(ids, virtual_slot=jnp.where(active, ids.virtual_slot, 0),
                                       virtual_pages=col(ids.virtual_pages), virtual_track_slot=col(ids.virtual_track_slot),
                                       track_len=jnp.where(ids.track_len == j + 1, 1, 0).astype(jnp.int32),
-                                      virtual_cow_slot=jnp.where((j == 0) & active, ids.virtual_cow_slot, 0)))
+                                      virtual_cow_slot=jnp.where((j == 0) & active, ids.virtual_cow_slot, 0)),
+            sampling=dataclasses.replace(batch.sampling, out_len=batch.sampling.out_len + j))
         out, state = single_step(state, step_batch)
         tokens = tokens.at[:, j].set(out.tokens)
         logprobs = logprobs.at[:, j].set(out.logprobs)
+        top_ids = top_ids.at[:, j].set(out.top_ids)
+        top_lps = top_lps.at[:, j].set(out.top_logprobs)
         ran = ran + active.astype(jnp.int32)
         stopped = jnp.any((out.tokens[:, None] == stops) & (stops >= 0), axis=1)
         active = active & ~stopped & (j + 1 < batch.layout.num_steps)
-        return state, jnp.where(active, out.tokens, token), active, tokens, logprobs, ran, out.drafts
+        return state, jnp.where(active, out.tokens, token), active, tokens, logprobs, top_ids, top_lps, ran, out.drafts
 
     spec = batch.spec.lookahead.shape[1] - 1
+    k = top_logprobs
     carry = (state, batch.layout.tokens, batch.layout.num_new > 0, jnp.zeros((b, steps), jnp.int32),
-             jnp.zeros((b, steps), jnp.float32), jnp.zeros(b, jnp.int32), jnp.zeros((b, spec), jnp.int32))
-    state, _, _, tokens, logprobs, ran, drafts = jax.lax.fori_loop(0, steps, body, carry)
-    return tokens, logprobs, ran, drafts, state
+             jnp.zeros((b, steps), jnp.float32), jnp.zeros((b, steps, k), jnp.int32),
+             jnp.zeros((b, steps, k), jnp.float32), jnp.zeros(b, jnp.int32), jnp.zeros((b, spec), jnp.int32))
+    state, _, _, tokens, logprobs, top_ids, top_lps, ran, drafts = jax.lax.fori_loop(0, steps, body, carry)
+    return tokens, logprobs, top_ids, top_lps, ran, drafts, state

@@ -14,8 +14,11 @@ Data flow of one step:
      (conv windows, sliding rings, pages) and writes the new one; in `verify` mode the slot
      writes wait until the accepted count is known (pages may take draft K/V: positions past
      the committed length are rewritten before any query reads them);
-  3. the LM head and sampling (extend / decode: each row's last token; verify: every draft
-     position, then acceptance with the rejection-sampling rule);
+  3. the LM head, the logits processors and sampling (extend / decode: each row's last token;
+     verify: every draft position, then acceptance with the rejection-sampling rule), the
+     emitted tokens counted into the rows' count-table rows (`counts.py`), and, where asked,
+     each emitted token's top alternatives and (a scoring extend step, `StepShape.score`) the
+     log-prob of every packed token's known next token;
   4. with speculative decoding, the draft phase: the MTP depths, one after another (below).
 
 MTP state is a pure function of the committed tokens. With n committed target positions
@@ -52,7 +55,8 @@ from .batch import StepBatch, StepShape
 from .context import RowMeta, StepContext
 from .decode_loop import decode_loop
 from .draft import draft_phase
-from .sampling import accept_drafts, sample_tokens
+from .counts import add_emitted
+from .sampling import accept_drafts, sample_tokens, top_alternatives
 
 Params = dict[str, Any]
 
@@ -67,6 +71,14 @@ class StepOutput:
     #                                the row ran (its valid columns); else 0
     accepted_logprobs: Float[Array, "b s"]  # verify: log p of each draft (valid for the accepted ones)
     drafts: Int[Array, "b s"]  # spec: the next round's draft tokens (valid when sample_next)
+    top_ids: Int[Array, "b l"]  # the L most likely tokens where `tokens` was chosen (zeros unless a row asks,
+    #                             `SamplingArrays.top_logprobs`); K-step decode: [B, K, L]; verify: [B, S+1, L]
+    #                             (position i: the token after the i-th draft)
+    top_logprobs: Float[Array, "b l"]  # their log-probs under the model, shaped as top_ids
+    prompt_logprobs: Float[Array, "t"]  # scoring extend step: log p of packed token t's known next token (the
+    #                                     next packed token of its row, or its lookahead[0]); else [0]
+    prompt_top_ids: Int[Array, "t l"]  # scoring step: the L most likely next tokens at each packed token
+    prompt_top_logprobs: Float[Array, "t l"]
 
 
 def target_meta(batch: StepBatch, query: int, physical_slot: Array, physical_track_slot: Array,
@@ -152,9 +164,11 @@ def run_step(params: Params, state: ServingState, batch: StepBatch, *, cfg: Inkl
         return single_step(params, state, batch, shape=shape, **kw)
     one = dataclasses.replace(shape, steps=1)
     params = L.with_kv_conv(params)
-    tokens, logprobs, ran, drafts, state = decode_loop(
-        lambda st, bt: single_step(params, st, bt, shape=one, **kw), state, batch, shape.steps, shape.query)
-    return StepOutput(tokens, logprobs, ran, jnp.zeros(drafts.shape, jnp.float32), drafts), state
+    tokens, logprobs, top_ids, top_lp, ran, drafts, state = decode_loop(
+        lambda st, bt: single_step(params, st, bt, shape=one, **kw), state, batch, shape.steps, shape.query,
+        shape.top_logprobs)
+    return StepOutput(tokens, logprobs, ran, jnp.zeros(drafts.shape, jnp.float32), drafts, top_ids, top_lp,
+                      *score_tokens(params, cfg, batch, None, shape)), state
 
 
 def single_step(params: Params, state: ServingState, batch: StepBatch, *, cfg: InklingConfig, layout: ArenaLayout,
@@ -173,12 +187,17 @@ def single_step(params: Params, state: ServingState, batch: StepBatch, *, cfg: I
     h = run_layers(params, cfg, layout, ctx, L.embed(params, cfg, batch.layout.tokens, params["unembed"].dtype, parallel))
     ctx.write_ring_checkpoints()
 
+    counts = state.counts
     if verify:
         row_tokens = meta.rows.row_tokens
         logits = L.lm_head(params, cfg, h[row_tokens], parallel)  # [B, S+1, V]
         drafts = batch.layout.tokens[row_tokens[:, 1:]]  # [B, S]
         n_acc, bonus, bonus_logp, draft_logp = accept_drafts(logits, drafts, batch.sampling, batch.spec.max_accept,
-                                                              batch.layout.seq_start + 1)
+                                                              batch.layout.seq_start + 1, counts)
+        if counts is not None:  # the accepted drafts and the bonus (rejected drafts never count)
+            emitted = jnp.concatenate([drafts, jnp.zeros((b, 1), jnp.int32)], axis=1).at[jnp.arange(b), n_acc].set(bonus)
+            counts = add_emitted(counts, batch.sampling.count_row, emitted,
+                                 (jnp.arange(spec + 1)[None, :] <= n_acc[:, None]) & (batch.layout.num_new > 0)[:, None])
         commit = jnp.where(batch.layout.num_new > 0, n_acc + 1, 0)
         track = jnp.where(commit[:, None] >= batch.slots.track_len, batch.slots.track_len, 0)
         meta = target_meta(batch, shape.query, ids.physical_slot, ids.physical_track_slot, commit, track)
@@ -186,7 +205,10 @@ def single_step(params: Params, state: ServingState, batch: StepBatch, *, cfg: I
     else:
         last = jnp.clip(batch.layout.query_start + batch.layout.num_new - 1, 0, h.shape[0] - 1)
         logits = L.lm_head(params, cfg, h[last], parallel)
-        bonus, bonus_logp = sample_tokens(logits, batch.sampling, batch.layout.seq_start + batch.layout.num_new)
+        bonus, bonus_logp = sample_tokens(logits, batch.sampling, batch.layout.seq_start + batch.layout.num_new, counts)
+        if counts is not None:  # decode rows emit their sample; extend rows only at their prompt's end
+            emits = (batch.layout.num_new > 0) & (batch.spec.sample_next | (shape.mode == "decode"))
+            counts = add_emitted(counts, batch.sampling.count_row, bonus[:, None], emits[:, None])
         n_acc = jnp.zeros(b, jnp.int32)
         draft_logp = jnp.zeros((b, spec), jnp.float32)
         commit, track = batch.layout.num_new, batch.slots.track_len
@@ -196,8 +218,30 @@ def single_step(params: Params, state: ServingState, batch: StepBatch, *, cfg: I
     if spec:
         arena, new_drafts = draft_phase(params, cfg, layout, ops, arena, batch, meta, ids.physical_pages, h,
                                         commit, track, bonus, parallel)
-    out = StepOutput(bonus, bonus_logp, n_acc, draft_logp, new_drafts)
-    return out, state.replace(arena=arena)
+    top_ids, top_lp = top_alternatives(logits, batch.sampling.top_logprobs, shape.top_logprobs)
+    out = StepOutput(bonus, bonus_logp, n_acc, draft_logp, new_drafts, top_ids, top_lp,
+                     *score_tokens(params, cfg, batch, h, shape, parallel))
+    return out, state.replace(arena=arena, counts=counts)
+
+
+def score_tokens(params: Params, cfg: InklingConfig, batch: StepBatch, h: Array, shape: StepShape,
+                 parallel: Any = None) -> tuple[Array, Array, Array]:
+    """A scoring extend step's (`StepShape.score`) prompt outputs: the log-prob (under the
+    model) of each packed token's known next token (the row's next packed token, or after its
+    last one `lookahead[0]`; meaningless where none is known: the host reads only known ones),
+    and the top L next tokens (computed when a row asks, `SamplingArrays.prompt_top_logprobs`).
+    Other steps: zero-size arrays. The LM head runs on every packed token: [T, V] fp32 logits."""
+    k = shape.top_logprobs
+    if not shape.score:
+        return jnp.zeros((0,), jnp.float32), jnp.zeros((0, k), jnp.int32), jnp.zeros((0, k), jnp.float32)
+    lay = batch.layout
+    t = lay.tokens.shape[0]
+    logits = L.lm_head(params, cfg, h, parallel).astype(jnp.float32)  # [T, V]
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    after_last = lay.token_offset + 1 >= lay.num_new[lay.token_row]
+    nxt = jnp.where(after_last, batch.spec.lookahead[lay.token_row, 0], lay.tokens[jnp.minimum(jnp.arange(t) + 1, t - 1)])
+    top_ids, top_lp = top_alternatives(logits, batch.sampling.prompt_top_logprobs, k)
+    return jnp.take_along_axis(logp, nxt[:, None], axis=-1)[:, 0], top_ids, top_lp
 
 
 def compile_step(cfg: InklingConfig, layout: ArenaLayout, shape: StepShape, use_pallas: bool = False,
