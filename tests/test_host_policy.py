@@ -33,10 +33,21 @@ class FakeEngine(ik.Engine):
     runner_cls = FakeRunner
 
 
-def fake_engine(**kw) -> FakeEngine:
+POISON = 77  # the fake's NaN token (`FakeRunner.poison`) in the error-path fuzz
+
+
+class PoisonRunner(FakeRunner):
+    poison = frozenset({POISON})
+
+
+class PoisonEngine(ik.Engine):
+    runner_cls = PoisonRunner
+
+
+def fake_engine(engine_cls=FakeEngine, **kw) -> FakeEngine:
     base = dict(max_running=2, num_slots=16, num_pages=64, page_size=4, track_interval=8, chunk_size=8,
                 max_step_tokens=16, min_context_bucket=64)
-    return FakeEngine(CFG, fake_params(CFG), ik.EngineConfig(**{**base, **kw}))
+    return engine_cls(CFG, fake_params(CFG), ik.EngineConfig(**{**base, **kw}))
 
 
 def expected(r) -> tuple[list[int], str]:
@@ -47,16 +58,22 @@ def expected(r) -> tuple[list[int], str]:
     return tokens, reason
 
 
-def check_outputs(tracked) -> None:
+def check_outputs(tracked, poison=frozenset()) -> None:
+    """Every finished request against plain decoding; with `poison` (the fake's NaN tokens) a
+    request fails ("error") exactly when a poison token would enter its state: in its history
+    or among its tokens before the last, its output then a prefix of plain decoding's."""
     for r in tracked:
-        assert r.error is None, f"request {r.rid} given up: {r.error}"
+        assert r.finish_reason == "error" or r.error is None, f"request {r.rid} given up: {r.error}"
         if r.finish_reason is None:
             continue
         want, reason = expected(r)
-        if r.finish_reason == "abort":
+        fed = r.tokens[:r.prompt_len] + want[:-1]
+        if r.finish_reason in ("abort", "error"):
             assert r.out_tokens == want[:len(r.out_tokens)], (r.rid, r.out_tokens, want)
+            assert r.finish_reason == "abort" or poison.intersection(fed), (r.rid, r.error)
         else:
             assert (r.out_tokens, r.finish_reason) == (want, reason), (r.rid, r.out_tokens, r.finish_reason, want)
+            assert not poison.intersection(fed), (r.rid, "a poisoned request did not fail")
 
 
 @st.composite
@@ -80,18 +97,28 @@ def modes(draw) -> dict:
                 evict_policy=draw(st.sampled_from(["lru", "lfu", "deepest"])))
 
 
-def run_ops(engine: FakeEngine, rng: np.random.RandomState, num_ops: int) -> Counter:
+def run_ops(engine: FakeEngine, rng: np.random.RandomState, num_ops: int, poison_rate: float = 0.0) -> Counter:
     """A random schedule (submit, step, abort, session turns and closes, eviction, compaction,
-    a lost device state) with invariants checked after every operation; returns what it did."""
+    a lost device state) with invariants checked after every operation; returns what it did.
+    poison_rate: the chance that a prompt gets the fake's poison token (`POISON`) somewhere."""
     bases = [list(rng.randint(3, VOCAB, n)) for n in (23, 40, 9)]
+
+    def maybe_poisoned(prompt: list[int]) -> list[int]:
+        if rng.rand() < poison_rate:
+            prompt = list(prompt)
+            prompt.insert(rng.randint(len(prompt) + 1), POISON)
+        return prompt
+
     tracked, sessions, figures = [], {}, Counter()
+    before = {}  # a session turn's rid -> the history length it was submitted on
     for _ in range(num_ops):
         op = OPS[rng.randint(len(OPS))]
         figures[op] += 1
         try:
             if op == "submit":
                 base = bases[rng.randint(len(bases))]
-                prompts = [base[:rng.randint(0, len(base) + 1)] + list(rng.randint(3, VOCAB, rng.randint(1, 6)))
+                prompts = [maybe_poisoned(base[:rng.randint(0, len(base) + 1)]
+                                          + list(rng.randint(3, VOCAB, rng.randint(1, 6))))
                            for _ in range(rng.randint(1, 4))]
                 sp = sampling(rng)
                 tracked += engine.submit(prompts, sp)
@@ -104,7 +131,16 @@ def run_ops(engine: FakeEngine, rng: np.random.RandomState, num_ops: int) -> Cou
             elif op == "turn":
                 idle = [s for s, turn in sessions.items() if turn is None or turn.finish_reason is not None]
                 sid = engine.open_session() if not idle or rng.rand() < 0.3 else idle[rng.randint(len(idle))]
-                r = engine.submit([list(rng.randint(3, VOCAB, rng.randint(1, 8)))], sampling(rng), session=sid)[0]
+                prev = sessions.get(sid)
+                if prev is not None and prev.finish_reason in ("length", "stop"):  # the history: the turn's
+                    assert engine.sessions[sid].tokens == prev.tokens
+                elif prev is not None and prev.finish_reason == "error":  # a failed turn left none of it
+                    assert engine.sessions[sid].tokens == prev.tokens[:before[prev.rid]]
+                    figures["turns after a failed turn"] += 1
+                history = len(engine.sessions[sid].tokens)
+                r = engine.submit([maybe_poisoned(list(rng.randint(3, VOCAB, rng.randint(1, 8))))], sampling(rng),
+                                  session=sid)[0]
+                before[r.rid] = history
                 sessions[sid] = r
                 tracked.append(r)
             elif op == "close" and sessions:
@@ -128,8 +164,9 @@ def run_ops(engine: FakeEngine, rng: np.random.RandomState, num_ops: int) -> Cou
     while engine.running or engine.waiting:
         engine.step()
         engine.check_invariants()
-    check_outputs(tracked)
+    check_outputs(tracked, engine.runner.poison)
     figures["requests"] += len(tracked)
+    figures["failed"] += sum(r.finish_reason == "error" for r in tracked)
     figures["tokens"] += sum(len(r.out_tokens) for r in tracked)
     return figures
 
@@ -160,10 +197,29 @@ def test_random_schedules_in_every_mode(mode, seed):
     COVERAGE["resets"] += s["resets"]
 
 
+@settings(max_examples=max(EXAMPLES // 2, 1), deadline=None, database=None, derandomize=True,
+          suppress_health_check=list(HealthCheck))
+@given(mode=modes(), seed=st.integers(0, 2**31 - 1))
+def test_random_schedules_with_a_poison_token(mode, seed):
+    """The error path (issue 35) fuzzed: the fake's poison token stands for a NaN embedding row;
+    requests that feed it fail alone, nothing they wrote is read again (the fake marks it:
+    a cached or kept piece of it would raise `FakeStateError`), sessions whose turn failed go
+    on from their history before the turn, every other output is plain decoding's, and the
+    invariants hold after every operation."""
+    engine = fake_engine(PoisonEngine, **mode)
+    figures = run_ops(engine, np.random.RandomState(seed), 300, poison_rate=0.15)
+    COVERAGE["poisoned modes"] += 1
+    COVERAGE["turns after a failed turn"] += figures["turns after a failed turn"]
+    COVERAGE["failed requests"] += figures["failed"]
+    assert figures["failed"] == engine.stats()["failed_requests"]
+
+
 def test_coverage_report():
     print("host fuzz coverage:", dict(sorted(COVERAGE.items())))
     if COVERAGE:
         assert COVERAGE["tokens"] > 0 and COVERAGE["cache hit tokens"] > 0 and COVERAGE["accepted drafts"] > 0
+    if COVERAGE["poisoned modes"]:
+        assert COVERAGE["failed requests"] > 0 and COVERAGE["turns after a failed turn"] > 0
 
 
 # ------------------------------------------------------------ the fake is an oracle

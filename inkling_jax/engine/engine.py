@@ -176,12 +176,15 @@ class Engine:
                  session: int | None = None) -> list[Completion]:
         """Generate for every prompt (continuous batching); returns completions in order.
 
-        prompts: a list of token-id sequences (lists, tuples or 1-D numpy integer arrays)."""
+        prompts: a list of token-id sequences (lists, tuples or 1-D numpy integer arrays).
+        A request that failed alone (non-finite logits, an exception from a hook) is returned
+        with finish_reason "error" and the reason in `Completion.error`; the others are
+        exactly what they would have been without it."""
         sampling = SamplingParams() if sampling is None else sampling
         requests = self.submit(prompts, sampling, session)
         while any(r.finish_reason is None and r.error is None for r in requests):
             self.step()
-        failed = [r for r in requests if r.error is not None]
+        failed = [r for r in requests if r.finish_reason is None and r.error is not None]
         if failed:
             raise RuntimeError(f"request {failed[0].rid} was given up: {failed[0].error}")
         return [r.completion() for r in requests]
@@ -342,7 +345,7 @@ class Engine:
     def _fetch(self, out: StepOutput) -> HostOutputs:
         """The step's outputs on the host (the one device-to-host transfer of a step)."""
         return HostOutputs(*jax.device_get((out.tokens, out.logprobs, out.num_accepted, out.accepted_logprobs,
-                                            out.drafts)))
+                                            out.drafts, out.row_ok)))
 
     def _apply_pool(self) -> None:
         try:

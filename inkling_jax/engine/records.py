@@ -14,7 +14,8 @@ class Completion:
     tokens: list[int]
     logprobs: list[float]  # log p of each chosen token under the model
     cached_tokens: int  # prompt tokens served from the prefix cache
-    finish_reason: str  # "length", "stop" or "abort"
+    finish_reason: str  # "length", "stop", "abort" or "error"
+    error: str | None = None  # finish_reason "error": why the request failed (the others were not affected)
 
 
 @dataclass
@@ -61,7 +62,8 @@ class Request:
     out_tokens: list[int] = field(default_factory=list)
     out_logprobs: list[float] = field(default_factory=list)
     finish_reason: str | None = None
-    error: str | None = None  # why the engine gave up on it (it can never be admitted)
+    error: str | None = None  # why it failed (finish_reason "error"), or why the engine gave up on it
+    #                           (finish_reason None: it can never be admitted)
     drafts: list[int] = field(default_factory=list)  # speculative: the next round's draft tokens
     accept_lengths: list[int] = field(default_factory=list)  # speculative: drafts accepted per verify round
     seed: int = 0
@@ -77,4 +79,5 @@ class Request:
         return len(self.tokens) - self.held.committed
 
     def completion(self) -> Completion:
-        return Completion(list(self.out_tokens), list(self.out_logprobs), self.cached, self.finish_reason)
+        return Completion(list(self.out_tokens), list(self.out_logprobs), self.cached, self.finish_reason,
+                          self.error if self.finish_reason == "error" else None)

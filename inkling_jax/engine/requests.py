@@ -2,8 +2,9 @@
 
     queued ──admit_waiting──> running ──finish──> done (its state to its session, or released)
        │                        │
-       ├──give_up (never fits)  └──abort──> done ("abort"; a session turn hands its state back)
-       └──abort
+       ├──give_up (never fits)  ├──abort──> done ("abort"; a session turn hands its state back)
+       ├──abort                 └──fail───> done ("error"; its state is dropped, nothing cached)
+       └──fail
 
 Every change of `waiting`, `running`, `sessions` and of a session's turn in flight goes
 through a method here; the resource side of each transition (slots, pages, checkpoints, the
@@ -131,6 +132,28 @@ class Requests:
             return
         kept = self.checkpoints.insert_at_finish(r)
         self.admission.release(held, keep_track=kept)
+
+    def fail(self, r: Request, reason: str) -> None:
+        """r fails alone: it finishes with finish_reason "error" and `reason` in r.error, and
+        nothing it wrote is kept: its slots (checkpoint slots included) and own pages go back
+        to the pool, its prefix lock is released, no checkpoint of it reaches the prefix tree.
+        A session turn drops the session's kept state (the turn wrote into it) and leaves the
+        history as it was before the turn, so the next turn recomputes the state from the
+        tokens (a prefix hit where the cache has one): exact, as after a reset. Queued or
+        running; the one entry point for a request that goes wrong (the step's non-finite
+        check, an exception from user code the engine calls for it)."""
+        r.finish_reason, r.error = "error", reason
+        self.stats.failed_requests += 1
+        if r in self.waiting:  # nothing written: a session keeps its state
+            self.waiting.remove(r)
+        elif r in self.running:
+            self.running.remove(r)
+            r.held.reserved_pages = 0
+            self.admission.release(r.held)
+            if r.session is not None:
+                r.session.held = None  # the turn had taken it over (released above)
+        if r.session is not None:
+            r.session.turn = None
 
     def abort(self, rid: int) -> Request:
         """Cancel a queued or running request by id: it finishes with "abort" (a running

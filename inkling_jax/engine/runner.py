@@ -261,8 +261,9 @@ class StepRunner:
             i32 = lambda *n: np.zeros(n, np.int32)
             for b in self.batch_buckets:
                 for bp in self.batch_buckets:
-                    feed_decode(i32(b), i32(b), i32(b), i32(b, ns), self._like_step_outputs(bp, k),
-                                self._like_step_outputs(bp), i32(b), i32(b))
+                    ran = self._like_step_outputs(bp)
+                    feed_decode(i32(b), i32(b), i32(b), i32(b, ns), self._like_step_outputs(bp, k), ran, i32(b),
+                                i32(b), ran == 0)
         n = 1
         while True:
             self._move_fn(n)
@@ -296,7 +297,7 @@ class StepRunner:
             tokens, num_new, num_steps = feed_decode(batch.layout.tokens, batch.layout.num_new, batch.layout.num_steps, batch.sampling.stop_ids,
                                                      feed.prev.tokens, feed.prev.num_accepted,
                                                      pad_to(feed.rows, shape.batch, -1),
-                                                     pad_to(feed.steps, shape.batch, 0))
+                                                     pad_to(feed.steps, shape.batch, 0), feed.prev.row_ok)
             batch = dataclasses.replace(batch, layout=dataclasses.replace(batch.layout, tokens=tokens, num_new=num_new,
                                                                           num_steps=num_steps))
         out, self.state = fn(self.params, self.state, batch)

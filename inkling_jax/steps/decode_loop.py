@@ -15,11 +15,13 @@ otherwise than the lone step):
         checkpoint = batch.slots.track_len == j + 1      (the boundary after this step's token)
 
 A row is active while j < num_steps[i] and no earlier iteration sampled one of its stop ids
-(`batch.sampling.stop_ids`, its eos included). An inactive row is a padded row (sink slot and pages,
-no new token): the state past a stop is never written, as when the host stops feeding it.
+(`batch.sampling.stop_ids`, its eos included) or had non-finite logits (`StepOutput.row_ok`).
+An inactive row is a padded row (sink slot and pages, no new token): the state past a stop is
+never written, as when the host stops feeding it.
 
 Outputs: tokens / logprobs [B, K] (iteration j's sample in column j; columns at and past
-`num_accepted` are not valid), num_accepted [B] = the iterations the row ran. A while loop
+`num_accepted` are not valid), num_accepted [B] = the iterations the row ran, row_ok [B] =
+every iteration it ran had finite logits. A while loop
 with a static trip count (fori_loop over constants) runs on the device without reading a
 predicate back to the host.
 """
@@ -38,14 +40,14 @@ from .batch import PAD_TOKEN_OFFSET, StepBatch
 def decode_loop(single_step: Callable, state, batch: StepBatch, steps: int, query: int):
     """Run `single_step(state, batch_j) -> (StepOutput, state)` for j = 0..steps-1 with the
     batch of each iteration as the module docstring says. Returns (tokens [B, K], logprobs
-    [B, K], steps run [B], the last iteration's drafts [B, S], state); `run_step` makes the
-    StepOutput of them."""
+    [B, K], steps run [B], the last iteration's drafts [B, S], row_ok [B], state); `run_step`
+    makes the StepOutput of them."""
     b = batch.layout.num_new.shape[0]
     pad_offset = query + PAD_TOKEN_OFFSET
     stops = batch.sampling.stop_ids
 
     def body(j, carry):
-        state, token, active, tokens, logprobs, ran, drafts = carry
+        state, token, active, tokens, logprobs, ran, drafts, ok = carry
         col = lambda x: jnp.where(active[:, None], x, 0)
         lay, ids = batch.layout, batch.slots
         step_batch = dataclasses.replace(
@@ -62,11 +64,13 @@ def decode_loop(single_step: Callable, state, batch: StepBatch, steps: int, quer
         logprobs = logprobs.at[:, j].set(out.logprobs)
         ran = ran + active.astype(jnp.int32)
         stopped = jnp.any((out.tokens[:, None] == stops) & (stops >= 0), axis=1)
-        active = active & ~stopped & (j + 1 < batch.layout.num_steps)
-        return state, jnp.where(active, out.tokens, token), active, tokens, logprobs, ran, out.drafts
+        ok = ok & (out.row_ok | ~active)
+        active = active & ~stopped & (j + 1 < batch.layout.num_steps) & out.row_ok
+        return state, jnp.where(active, out.tokens, token), active, tokens, logprobs, ran, out.drafts, ok
 
     spec = batch.spec.lookahead.shape[1] - 1
     carry = (state, batch.layout.tokens, batch.layout.num_new > 0, jnp.zeros((b, steps), jnp.int32),
-             jnp.zeros((b, steps), jnp.float32), jnp.zeros(b, jnp.int32), jnp.zeros((b, spec), jnp.int32))
-    state, _, _, tokens, logprobs, ran, drafts = jax.lax.fori_loop(0, steps, body, carry)
-    return tokens, logprobs, ran, drafts, state
+             jnp.zeros((b, steps), jnp.float32), jnp.zeros(b, jnp.int32), jnp.zeros((b, spec), jnp.int32),
+             jnp.ones(b, bool))
+    state, _, _, tokens, logprobs, ran, drafts, ok = jax.lax.fori_loop(0, steps, body, carry)
+    return tokens, logprobs, ran, drafts, ok, state

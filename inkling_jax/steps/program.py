@@ -15,8 +15,15 @@ Data flow of one step:
      writes wait until the accepted count is known (pages may take draft K/V: positions past
      the committed length are rewritten before any query reads them);
   3. the LM head and sampling (extend / decode: each row's last token; verify: every draft
-     position, then acceptance with the rejection-sampling rule);
-  4. with speculative decoding, the draft phase: the MTP depths, one after another (below).
+     position, then acceptance with the rejection-sampling rule), and whether the row's logits
+     are finite (`finite_rows`: `StepOutput.row_ok`, False fails the request on the host);
+  4. with speculative decoding, the draft phase: the MTP depths, one after another (below);
+     depth 0's logits count in `row_ok` (they read committed tokens only; the deeper depths
+     read proposals, which never enter the state).
+
+No value of one row reaches another row's results: every masked product over the packed
+tokens selects (`jnp.where`) instead of multiplying by a zero weight, so a row whose values
+are NaN or inf (a poisoned embedding, an overflow) fails alone (design.md, "Isolation").
 
 MTP state is a pure function of the committed tokens. With n committed target positions
 (t_n the next token, sampled or known), depth d has committed rows [0, n - d): row j reads
@@ -39,7 +46,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 from pallas_kernels import conv_ops
 from pallas_kernels.conv_state.ref import PackedRows
 
@@ -67,6 +74,20 @@ class StepOutput:
     #                                the row ran (its valid columns); else 0
     accepted_logprobs: Float[Array, "b s"]  # verify: log p of each draft (valid for the accepted ones)
     drafts: Int[Array, "b s"]  # spec: the next round's draft tokens (valid when sample_next)
+    row_ok: Bool[Array, "b"]  # the row's logits were finite (`finite_rows`); False: the request fails
+    #                           (padded rows: ignore)
+
+
+def finite_rows(logits: Float[Array, "b ... v"], upto: Int[Array, "b"] | None = None) -> Bool[Array, "b"]:
+    """Whether each row's logits are all finite (no NaN, no inf): one fused reduction over
+    the logits the step computed anyway. Verify logits [B, S+1, V]: only positions 0..upto[b]
+    (the accepted drafts and the bonus) count: the positions after a rejected draft read a
+    token the sequence never takes."""
+    finite = jnp.all(jnp.isfinite(logits), axis=-1)
+    if upto is not None:
+        finite = finite | (jnp.arange(finite.shape[1])[None, :] > upto[:, None])
+        finite = jnp.all(finite, axis=1)
+    return finite
 
 
 def target_meta(batch: StepBatch, query: int, physical_slot: Array, physical_track_slot: Array,
@@ -152,9 +173,9 @@ def run_step(params: Params, state: ServingState, batch: StepBatch, *, cfg: Inkl
         return single_step(params, state, batch, shape=shape, **kw)
     one = dataclasses.replace(shape, steps=1)
     params = L.with_kv_conv(params)
-    tokens, logprobs, ran, drafts, state = decode_loop(
+    tokens, logprobs, ran, drafts, ok, state = decode_loop(
         lambda st, bt: single_step(params, st, bt, shape=one, **kw), state, batch, shape.steps, shape.query)
-    return StepOutput(tokens, logprobs, ran, jnp.zeros(drafts.shape, jnp.float32), drafts), state
+    return StepOutput(tokens, logprobs, ran, jnp.zeros(drafts.shape, jnp.float32), drafts, ok), state
 
 
 def single_step(params: Params, state: ServingState, batch: StepBatch, *, cfg: InklingConfig, layout: ArenaLayout,
@@ -179,6 +200,7 @@ def single_step(params: Params, state: ServingState, batch: StepBatch, *, cfg: I
         drafts = batch.layout.tokens[row_tokens[:, 1:]]  # [B, S]
         n_acc, bonus, bonus_logp, draft_logp = accept_drafts(logits, drafts, batch.sampling, batch.spec.max_accept,
                                                               batch.layout.seq_start + 1)
+        row_ok = finite_rows(logits, n_acc)
         commit = jnp.where(batch.layout.num_new > 0, n_acc + 1, 0)
         track = jnp.where(commit[:, None] >= batch.slots.track_len, batch.slots.track_len, 0)
         meta = target_meta(batch, shape.query, ids.physical_slot, ids.physical_track_slot, commit, track)
@@ -186,6 +208,7 @@ def single_step(params: Params, state: ServingState, batch: StepBatch, *, cfg: I
     else:
         last = jnp.clip(batch.layout.query_start + batch.layout.num_new - 1, 0, h.shape[0] - 1)
         logits = L.lm_head(params, cfg, h[last], parallel)
+        row_ok = finite_rows(logits)
         bonus, bonus_logp = sample_tokens(logits, batch.sampling, batch.layout.seq_start + batch.layout.num_new)
         n_acc = jnp.zeros(b, jnp.int32)
         draft_logp = jnp.zeros((b, spec), jnp.float32)
@@ -194,9 +217,10 @@ def single_step(params: Params, state: ServingState, batch: StepBatch, *, cfg: I
 
     new_drafts = jnp.zeros((b, spec), jnp.int32)
     if spec:
-        arena, new_drafts = draft_phase(params, cfg, layout, ops, arena, batch, meta, ids.physical_pages, h,
-                                        commit, track, bonus, parallel)
-    out = StepOutput(bonus, bonus_logp, n_acc, draft_logp, new_drafts)
+        arena, new_drafts, draft_ok = draft_phase(params, cfg, layout, ops, arena, batch, meta, ids.physical_pages,
+                                                  h, commit, track, bonus, parallel)
+        row_ok = row_ok & draft_ok
+    out = StepOutput(bonus, bonus_logp, n_acc, draft_logp, new_drafts, row_ok)
     return out, state.replace(arena=arena)
 
 
