@@ -3,7 +3,7 @@
     inkling-generate [--model shakespeare|tiny|small|bench|PATH] [--prompt TEXT ... | --prompts-file F]
                      [--max-new-tokens N] [--temperature T] [--spec-steps K] [--decode-steps K]
                      [--no-prefix-cache] [--lazy] [--pool unified|static] [--max-running N] [--seed S] [--dtype D]
-                     [--tp N] [--ep N]
+                     [--tp N] [--ep N] [--session-dir DIR]
                      [--coordinator HOST:PORT --num-processes N --process-id I]
 
 With no arguments it runs the embedded default model, the trained byte-level `shakespeare`
@@ -16,6 +16,9 @@ The engine geometry is sized from the prompts so that one run compiles few step 
 batch bucket (max_running rows), one token bucket (max_step_tokens) and one context bucket
 (the longest prompt plus max_new_tokens, rounded up to a power of two): an extend step and a
 decode step, both compiled up front (`--no-warmup` compiles them lazily instead).
+
+A chat across runs: `--session-dir DIR` makes the prompts turns of one session, restored from
+DIR's save (`Engine.save`) when there is one and saved there afterwards (`cli_session.py`).
 
 Serving on a mesh: `--tp N --ep M` builds `make_mesh(tp=N, ep=M)` over the first N * M
 devices and runs `Engine(..., mesh=)` (tensor parallel over heads, MLP widths and vocab;
@@ -296,6 +299,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="persistent XLA compilation cache directory: later runs with the same shapes load "
                          "the compiled steps instead of compiling them (off by default)")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
+    ap.add_argument("--session-dir", metavar="DIR", default=None,
+                    help="chat across runs: the prompts are turns of one session, continued from the save in "
+                         "DIR if there is one (its session and prefix cache, restored exactly) and saved there "
+                         "afterwards (inkling_jax/cli_session.py)")
     mesh = ap.add_argument_group("mesh", "serve on several devices (Engine(..., mesh=make_mesh(tp, ep)))")
     mesh.add_argument("--tp", type=int, default=None, help="tensor-parallel devices: heads, MLP widths, vocab")
     mesh.add_argument("--ep", type=int, default=None, help="expert-parallel devices: routed experts")
@@ -368,6 +375,10 @@ def _main(args: argparse.Namespace) -> int:
                                   top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                                   stop_at_eos=not args.ignore_eos)
         sampling.validate()
+        if args.session_dir:  # a chat across runs: its own engine (restored or new) and output
+            from .cli_session import chat
+
+            return chat(args, cfg, params, tok, texts, prompts, sampling, mesh, say, CliError)
         econf = engine_config(args, [len(p) for p in prompts])
         engine = Engine(cfg, params, econf, mesh=mesh)
     except (ValueError, NotImplementedError) as e:

@@ -401,6 +401,48 @@ class Engine:
                 self.abort(sess.turn)
             self.requests.close_session(sid)
 
+    # ------------------------------------------------------------- durable state
+
+    def save(self, path, prefix_cache: bool = True) -> dict:
+        """Write the open sessions (their histories and kept state) and the prefix cache (all
+        of it, or with prefix_cache=False only the entries the sessions' prefixes lock) under
+        the directory `path`, with orbax, atomically: a process killed meanwhile leaves the
+        previous save loadable (`engine/persist.py`). Requests and session turns in flight
+        are not saved (such a session is saved as its history before the turn). Returns the
+        save's figures (path, slots, pages, bytes, seconds)."""
+        from . import persist
+
+        with self._lock:
+            if self.plan is not None:
+                raise ValueError("save: an engine on a mesh cannot be saved (save / restore is single-device)")
+            self._settle()
+            self._apply_pool()
+            return persist.save(self, path, prefix_cache)
+
+    def load(self, path) -> dict:
+        """Restore a save into this engine, which must be idle (nothing queued or running, no
+        session open): its sessions (with their ids) and prefix cache come back. ValueError,
+        with nothing changed, for a missing or partial save, another model's, one of another
+        layout or engine settings (`persist.MUST_MATCH`), or a pool too small for it."""
+        from . import persist
+
+        with self._lock:
+            return persist.load(self, path)
+
+    @classmethod
+    def restore(cls, path, cfg: InklingConfig, params: Any, config: EngineConfig | None = None,
+                **kw: Any) -> "Engine":
+        """A new engine with the sessions and prefix cache saved under `path` (`save`):
+        `config` None takes the saved EngineConfig. Errors as for `load`."""
+        from . import persist
+
+        if config is None:
+            _, state = persist.read_state(path)
+            config = EngineConfig(**state["config"])
+        engine = cls(cfg, params, config, **kw)
+        engine.load(path)
+        return engine
+
     # ---------------------------------------------------------------- the rest
 
     def warmup(self) -> None:

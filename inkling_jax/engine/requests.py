@@ -40,7 +40,7 @@ class Requests:
         self.admission = Admission(config, pool, tree, stats, self)
         self.checkpoints = CheckpointPolicy(config, tree, self.admission, stats)
         self._rids = itertools.count()
-        self._sids = itertools.count(1)
+        self.next_sid = 1  # the id the next open_session gives
 
     def new_rid(self) -> int:
         return next(self._rids)
@@ -48,7 +48,8 @@ class Requests:
     # ------------------------------------------------------------------ sessions
 
     def open_session(self) -> int:
-        sid = next(self._sids)
+        sid = self.next_sid
+        self.next_sid += 1
         self.sessions[sid] = Session(sid)
         return sid
 
@@ -68,6 +69,15 @@ class Requests:
         del self.sessions[sid]
         if sess.held is not None:
             self.admission.release(sess.held)
+
+    def adopt_session(self, sid: int, tokens: list[int], held: Resources | None) -> Session:
+        """Open session `sid` with a history and the state it keeps (a restored save,
+        `engine/persist.py`)."""
+        if sid in self.sessions:
+            raise ValueError(f"session {sid} is open already")
+        self.sessions[sid] = sess = Session(sid, list(tokens), held)
+        self.next_sid = max(self.next_sid, sid + 1)
+        return sess
 
     # ----------------------------------------------------------------- lifecycle
 
