@@ -17,8 +17,9 @@ One `Engine.step()`:
 A step is a transaction. The donated arena and the record that the step's outputs are
 pending change together (`interrupts.critical`: a Ctrl-C lands before or after, never
 between); if reading the outputs fails, they stay pending and the next call finishes the
-step; the host commit is one critical section; compaction moves are acknowledged only after
-their device copy. Should the device state itself be lost (an exception after the arena was
+step; admission and planning (which take slots and pages and record their owners), the host
+commit and the other calls' host changes (submit, abort, close_session, evict_all, compact)
+are critical sections; compaction moves are acknowledged only after their device copy. Should the device state itself be lost (an exception after the arena was
 donated, outputs that cannot be read twice), `reset` restarts every request from its tokens
 (the state is a pure function of them) with an empty prefix cache: outputs stay exact.
 
@@ -220,7 +221,8 @@ class Engine:
                 if problem:
                     raise ValueError(f"prompt {i} can never be admitted: it {problem}")
                 out.append(r)
-            self.requests.queue(out, sess)
+            with critical():  # (host records: a Ctrl-C lands before or after, as in every call below)
+                self.requests.queue(out, sess)
             return out
 
     def _checked_prompts(self, prompts) -> list[list[int]]:
@@ -275,15 +277,17 @@ class Engine:
         runs while the device computes the next. Admission, prefill and checkpoint steps
         settle everything first, as without overlap."""
         with self._lock:
-            ahead = self._plan_ahead()
+            with critical():  # planning takes slots and pages: a Ctrl-C waits until each has its owner
+                ahead = self._plan_ahead()
             if ahead is not None:
                 self._dispatch(ahead, feed_from=self._flights[-1])
                 self._stats.overlapped_dispatches += 1
                 self._settle(keep_last=True)
                 return
             self._settle()
-            self.requests.admit_waiting()  # (a request that never fits is given up with the reason)
-            plan = self.scheduler.plan(self.drafts_for)
+            with critical():  # (as above; a plan not dispatched gives its slots back: `_dispatch`)
+                self.requests.admit_waiting()  # (a request that never fits is given up with the reason)
+                plan = self.scheduler.plan(self.drafts_for)
             if plan is None:
                 return
             self._dispatch(plan)
@@ -378,7 +382,8 @@ class Engine:
             if isinstance(request, Request) and (request.finish_reason is not None or request.error is not None):
                 return  # it finished (perhaps in the step just settled): nothing to cancel
             # (a running one's freed slots are compacted on the device by the next step)
-            self.requests.abort(request.rid if isinstance(request, Request) else request)
+            with critical():
+                self.requests.abort(request.rid if isinstance(request, Request) else request)
 
     def drafts_for(self, r: Request) -> list[int]:
         """The draft tokens a verify step checks for r: the MTP chain's proposals from the last
@@ -399,7 +404,8 @@ class Engine:
             sess = self.requests.session(sid)
             if sess.turn is not None and abort:
                 self.abort(sess.turn)
-            self.requests.close_session(sid)
+            with critical():
+                self.requests.close_session(sid)
 
     # ------------------------------------------------------------- durable state
 
@@ -464,13 +470,15 @@ class Engine:
     def compact(self) -> None:
         """Close every hole in the pool now (lazy mode) and apply the moves on the device."""
         with self._lock:
-            self.pool.compact()
+            with critical():
+                self.pool.compact()
             self._apply_pool()
 
     def evict_all(self) -> None:
         """Drop every unlocked prefix-cache entry."""
         with self._lock:
-            self.admission.evict_all()
+            with critical():
+                self.admission.evict_all()
             self._apply_pool()
 
     def read_slot(self, virtual_slot: int) -> dict[str, np.ndarray]:
