@@ -15,6 +15,7 @@ the accounting closes. The fake runner's poison token fuzzes the host side of th
 
 from __future__ import annotations
 
+import os
 from functools import partial
 
 import jax
@@ -259,4 +260,25 @@ def test_bf16_overflow_fails_alone(params, scenario):
     out = engine.generate([scenario["bad"][1], prompt], GREEDY)
     assert out[0].finish_reason == "error" and out[1].tokens == want.tokens
     np.testing.assert_allclose(out[1].logprobs, want.logprobs, rtol=0, atol=2e-2)
+    check_no_trace(engine, x)
+
+
+@pytest.mark.skipif(not os.environ.get("INKLING_PALLAS_ISOLATION"),
+                    reason="~25 s of interpret-mode kernels: INKLING_PALLAS_ISOLATION=1 runs it (the kernel tests "
+                           "above check the kernels' changes)")
+def test_pallas_kernels_keep_rows_apart(params, scenario):
+    """The same with the Pallas ops (interpret mode; pages of 16 so the paged decode kernel
+    runs too): every kernel a step takes (conv, norm, router, experts, ring and paged decode
+    attention) with a NaN row in the batch; the clean row equals its jnp plain run."""
+    x = scenario["x"]
+    kw = {**KW, "page_size": 16, "track_interval": 16, "chunk_size": 16, "use_pallas": True, "pallas_interpret": True}
+    engine = ik.Engine(CFG, poisoned(params, x), ik.EngineConfig(**kw))
+    sp = ik.SamplingParams(max_new_tokens=4, stop_at_eos=False)  # F feeds X (its 3rd token) in its 4th step
+    clean = scenario["clean"][0]
+    # the clean row first: its padded query columns reach into the bad row's packed tokens
+    out = engine.generate([clean, scenario["bad"][1], scenario["f"]], sp)
+    assert out[1].finish_reason == "error" and out[2].finish_reason == "error"
+    want = oracle(params, clean, sp)
+    assert out[0].tokens == want.tokens
+    np.testing.assert_allclose(out[0].logprobs, want.logprobs, rtol=0, atol=1e-4)
     check_no_trace(engine, x)
