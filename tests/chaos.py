@@ -28,8 +28,6 @@ os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0")
 
 import inkling_jax as ik  # noqa: E402
 
-OPS = ["submit", "step", "abort", "turn", "close", "evict", "compact"]
-OP_WEIGHTS = [0.2, 0.5, 0.05, 0.12, 0.03, 0.05, 0.05]
 TIE = 1e-4  # a generated token whose logit is this close to the best one counts as the argmax
 
 
@@ -80,80 +78,41 @@ def greedy_ok(params, cfg, history: list[int], generated: list[int]) -> bool:
 
 def run_chaos(cfg, params, engine_kw: dict, num_ops: int, seed: int = 0, max_new_tokens: int = 12,
               interrupt_rate: float = 0.5, max_history: int = 40) -> dict:
-    """The chaos run (module docstring); returns its figures. Raises AssertionError on a
-    violation. interrupt_rate: the share of steps a SIGINT is aimed at; sessions are closed
-    once their history passes max_history tokens."""
+    """The chaos run (module docstring) over `faults.Schedule` (at most two sessions open, each
+    closed once its history passes max_history tokens); returns its figures. Raises
+    AssertionError on a violation. interrupt_rate: the share of steps a SIGINT is aimed at, a
+    moment drawn inside a typical step (the median of the last ones)."""
+    from faults import Schedule
+
     rng = np.random.RandomState(seed)
-    vocab = cfg.unpadded_vocab_size
-    system = list(rng.randint(3, vocab, 21))
-    bases = [system + list(rng.randint(3, vocab, n)) for n in (6, 11, 3)] + [list(rng.randint(3, vocab, 17))]
     engine = ik.Engine(cfg, params, ik.EngineConfig(**engine_kw))
-    greedy = lambda n: ik.SamplingParams(max_new_tokens=n, stop_at_eos=False)  # noqa: E731
-    tracked = []  # (request, the history it answers)
-    sessions: dict[int, object] = {}
-    figures = Counter()
+    schedule = Schedule(engine, rng, max_new_tokens, max_sessions=2, max_history=max_history)
+    tracked, figures = schedule.tracked, schedule.figures
     interrupter = Interrupter()
-    step_times = deque([0.01], maxlen=25)  # the last steps' durations: interrupts are drawn inside them
+    step_times = deque([0.01], maxlen=25)  # the last steps' durations
+
+    def step():
+        if rng.rand() < interrupt_rate:
+            interrupter.arm(float(rng.uniform(0, 0.8 * np.median(step_times))))
+        t = time.perf_counter()
+        try:
+            engine.step()
+            step_times.append(time.perf_counter() - t)
+        finally:
+            interrupter.disarm()
+
     t0 = time.perf_counter()
     prev = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         for _ in range(num_ops):
-            op = str(rng.choice(OPS, p=OP_WEIGHTS))
-            figures[op] += 1
+            op = schedule.draw()
             try:
-                if op == "submit":
-                    base = bases[rng.randint(len(bases))]
-                    prompt = base[:rng.randint(1, len(base) + 1)] + [int(rng.randint(3, vocab))]
-                    r = engine.submit([prompt], greedy(int(rng.randint(1, max_new_tokens + 1))))[0]
-                    tracked.append((r, list(r.tokens)))
-                elif op == "step":
-                    if rng.rand() < interrupt_rate:  # a moment inside a typical step (the median)
-                        interrupter.arm(float(rng.uniform(0, 0.8 * np.median(step_times))))
-                    t = time.perf_counter()
-                    try:
-                        engine.step()
-                        step_times.append(time.perf_counter() - t)
-                    finally:
-                        interrupter.disarm()
-                elif op == "abort":
-                    live = [r for r, _ in tracked if r.finish_reason is None and r.error is None]
-                    if live:
-                        engine.abort(live[rng.randint(len(live))])
-                elif op == "turn":
-                    idle = [sid for sid, turn in sessions.items() if turn is None or turn.finish_reason is not None]
-                    long = [sid for sid in idle if len(engine.sessions[sid].tokens) > max_history]
-                    if long:  # a history near the pool's limit: the conversation ends
-                        engine.close_session(long[0])
-                        del sessions[long[0]]
-                    else:
-                        short = [sid for sid in idle if sid not in long]
-                        if len(sessions) < 2 and (not short or rng.rand() < 0.4):
-                            sid = engine.open_session()
-                        elif short:
-                            sid = short[rng.randint(len(short))]
-                        else:  # both sessions have a turn in flight
-                            sid = None
-                        turn = list(rng.randint(3, vocab, int(rng.randint(1, 7))))
-                        r = engine.submit([turn], greedy(int(rng.randint(1, 6))), session=sid)[0]
-                        if sid is not None:
-                            sessions[sid] = r
-                        tracked.append((r, list(r.tokens)))
-                elif op == "close" and sessions:
-                    sid = list(sessions)[rng.randint(len(sessions))]
-                    engine.close_session(sid, abort=True)
-                    del sessions[sid]
-                elif op == "evict":
-                    engine.evict_all()
-                elif op == "compact":
-                    engine.compact()
+                schedule.run(op, step)
             except KeyboardInterrupt:
                 figures["interrupted steps"] += 1
-            except ValueError as exc:  # a session turn whose history outgrew the pool: refused
-                assert "exceed" in str(exc) or "never be admitted" in str(exc), exc
-                figures["refused"] += 1
-            for sid in [sid for sid in sessions if sid not in engine.sessions]:
-                del sessions[sid]
-            engine.check_invariants()
+            except ValueError as exc:
+                schedule.refused(exc)
+            schedule.settle()
         while engine.running or engine.waiting:
             engine.step()
         engine.check_invariants()

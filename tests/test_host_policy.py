@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 import inkling_jax as ik
 from inkling_jax.engine.fake_runner import FakeRunner, FakeStateError, fake_generate, fake_params
 from conftest import count_xla_compiles
+from faults import housekeeping
 
 CFG = ik.InklingConfig.tiny()  # 3 MTP depths: speculation up to 3
 VOCAB = CFG.unpadded_vocab_size
@@ -143,14 +144,8 @@ def run_ops(engine: FakeEngine, rng: np.random.RandomState, num_ops: int, poison
                 before[r.rid] = history
                 sessions[sid] = r
                 tracked.append(r)
-            elif op == "close" and sessions:
-                sid = list(sessions)[rng.randint(len(sessions))]
-                engine.close_session(sid, abort=True)
-                del sessions[sid]
-            elif op == "evict":
-                engine.evict_all()
-            elif op == "compact":
-                engine.compact()
+            elif housekeeping(engine, op, sessions, rng):  # close, evict, compact
+                pass
             elif op == "lose" and rng.rand() < 0.2:
                 engine.runner.lose_state()
                 engine.step()
