@@ -427,7 +427,8 @@ class Engine:
 
     def load(self, path) -> dict:
         """Restore a save into this engine, which must be idle (nothing queued or running, no
-        session open): its sessions (with their ids) and prefix cache come back. ValueError,
+        session open): its sessions (with their ids) and prefix cache come back (the engine's
+        own cache entries are dropped first). ValueError,
         with nothing changed, for a missing or partial save, another model's, one of another
         layout or engine settings (`persist.MUST_MATCH`), or a pool too small for it."""
         from . import persist
