@@ -7,7 +7,7 @@
                      [--logprobs K] [--stream | --no-stream]
                      [--spec-steps K] [--decode-steps K]
                      [--no-prefix-cache] [--lazy] [--pool unified|static] [--max-running N] [--dtype D]
-                     [--tp N] [--ep N]
+                     [--tp N] [--ep N] [--session-dir DIR]
                      [--coordinator HOST:PORT --num-processes N --process-id I]
 
 With no arguments it runs the embedded default model, the trained byte-level `shakespeare`
@@ -27,6 +27,9 @@ first step waits only for its own program; `--no-warmup` compiles each when firs
 Compiled programs are kept in the executable cache (`inkling_jax/programs.py`; default
 ~/.cache/inkling-jax/executables, $INKLING_JAX_EXECUTABLE_CACHE=off turns it off), so a later
 run loads them instead of compiling; `--clear-compile-cache` empties it and exits.
+
+A chat across runs: `--session-dir DIR` makes the prompts turns of one session, restored from
+DIR's save (`Engine.save`) when there is one and saved there afterwards (`cli_session.py`).
 
 Serving on a mesh: `--tp N --ep M` builds `make_mesh(tp=N, ep=M)` over the first N * M
 devices and runs `Engine(..., mesh=)` (tensor parallel over heads, MLP widths and vocab;
@@ -266,6 +269,8 @@ def shown(c, tok, eos: int | None) -> tuple[str, str]:
         why = "stop at eos"
     elif why == "stop" and isinstance(c.stop_reason, str):
         why = f"stop at {c.stop_reason!r}"
+    elif why == "error":
+        why = f"error: {c.error}"
     tokens = c.tokens[:-1] if why == "stop at eos" else c.tokens
     return (c.text if c.text is not None else tok.decode(tokens)), why
 
@@ -410,6 +415,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="remove this library's compiled programs (the executable cache: $INKLING_JAX_EXECUTABLE_CACHE "
                          "or ~/.cache/inkling-jax/executables; and its XLA cache ~/.cache/inkling-jax/xla) and exit")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
+    ap.add_argument("--session-dir", metavar="DIR", default=None,
+                    help="chat across runs: the prompts are turns of one session, continued from the save in "
+                         "DIR if there is one (its session and prefix cache, restored exactly) and saved there "
+                         "afterwards (inkling_jax/cli_session.py)")
     mesh = ap.add_argument_group("mesh", "serve on several devices (Engine(..., mesh=make_mesh(tp, ep)))")
     mesh.add_argument("--tp", type=int, default=None, help="tensor-parallel devices: heads, MLP widths, vocab")
     mesh.add_argument("--ep", type=int, default=None, help="expert-parallel devices: routed experts")
@@ -495,6 +504,10 @@ def _main(args: argparse.Namespace) -> int:
                                   frequency_penalty=args.frequency_penalty, logit_bias=parse_logit_bias(args.logit_bias),
                                   min_tokens=args.min_tokens, stop=[x.replace("\\n", "\n") for x in args.stop],
                                   include_stop_str=args.include_stop_str, logprobs=args.logprobs)
+        if args.session_dir:  # a chat across runs: its own engine (restored or new) and output
+            from .cli_session import chat
+
+            return chat(args, cfg, params, tok, texts, prompts, sampling, mesh, say, CliError)
         econf = engine_config(args, [len(p) for p in prompts])
         engine = Engine(cfg, params, econf, mesh=mesh, tokenizer=tok)
     except (ValueError, NotImplementedError) as e:

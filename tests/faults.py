@@ -80,62 +80,117 @@ OPS = ["submit", "step", "abort", "turn", "close", "evict", "compact"]
 OP_WEIGHTS = [0.2, 0.5, 0.05, 0.1, 0.04, 0.06, 0.05]
 
 
+def housekeeping(engine: ik.Engine, op: str, sessions: dict, rng: np.random.RandomState) -> bool:
+    """The random schedules' "close" (a random session of `sessions`, sid -> its turn, closed
+    with its turn in flight aborted), "evict" and "compact" operations; False for another op."""
+    if op == "close":
+        if sessions:
+            sid = list(sessions)[rng.randint(len(sessions))]
+            engine.close_session(sid, abort=True)
+            del sessions[sid]
+    elif op == "evict":
+        engine.evict_all()
+    elif op == "compact":
+        engine.compact()
+    else:
+        return False
+    return True
+
+
+class Schedule:
+    """A random schedule of engine operations, shared by the soak and the chaos run
+    (`chaos.py`): OPS drawn by OP_WEIGHTS, submits over shared prefixes (a system prompt and
+    its branches), steps, aborts, session turns and closes, evictions, compactions. `draw()`
+    the next operation, `run(op)` it (a step through `step`, default `engine.step`),
+    `settle()` after it, whatever it raised (closed sessions forgotten, invariants checked).
+    Requests ask for 1 to max_new_tokens new tokens (session turns for at most 5).
+    max_sessions: open at most that many (None: a new one whenever all are busy, or 40 % of
+    the time while fewer than two); max_history: a session whose history passed it is closed
+    instead of given a turn (None: never)."""
+
+    def __init__(self, engine: ik.Engine, rng: np.random.RandomState, max_new_tokens: int,
+                 max_sessions: int | None = None, max_history: int | None = None):
+        self.engine, self.rng, self.max_new_tokens = engine, rng, max_new_tokens
+        self.max_sessions, self.max_history = max_sessions, max_history
+        self.vocab = vocab = engine.cfg.unpadded_vocab_size
+        system = list(rng.randint(3, vocab, 21))
+        self.bases = [system + list(rng.randint(3, vocab, n)) for n in (6, 11, 3)] + [list(rng.randint(3, vocab, 17))]
+        self.tracked = []  # (request, the full history it answers)
+        self.sessions: dict[int, object] = {}  # sid -> its turn in flight (a Request) or None
+        self.figures = Counter()
+
+    @staticmethod
+    def greedy(n: int) -> ik.SamplingParams:
+        return ik.SamplingParams(max_new_tokens=n, stop_at_eos=False)
+
+    def draw(self) -> str:
+        op = str(self.rng.choice(OPS, p=OP_WEIGHTS))
+        self.figures[op] += 1
+        return op
+
+    def run(self, op: str, step=None) -> None:
+        engine, rng, vocab, sessions = self.engine, self.rng, self.vocab, self.sessions
+        if op == "submit":
+            base = self.bases[rng.randint(len(self.bases))]
+            prompt = base[:rng.randint(1, len(base) + 1)] + [int(rng.randint(3, vocab))]
+            r = engine.submit([prompt], self.greedy(int(rng.randint(1, self.max_new_tokens + 1))))[0]
+            self.tracked.append((r, list(r.tokens)))
+        elif op == "step":
+            (step or engine.step)()
+        elif op == "abort":
+            live = [r for r, _ in self.tracked if r.finish_reason is None and r.error is None]
+            if live:
+                engine.abort(live[rng.randint(len(live))])
+        elif op == "turn":
+            idle = [sid for sid, turn in sessions.items() if turn is None or turn.finish_reason is not None]
+            long = [sid for sid in idle if self.max_history and len(engine.sessions[sid].tokens) > self.max_history]
+            if long:  # a history near the pool's limit: the conversation ends
+                engine.close_session(long[0])
+                del sessions[long[0]]
+                return
+            if self.max_sessions is None:
+                new = not idle or (len(sessions) < 2 and rng.rand() < 0.4)
+            else:
+                new = len(sessions) < self.max_sessions and (not idle or rng.rand() < 0.4)
+            sid = engine.open_session() if new else idle[rng.randint(len(idle))] if idle else None
+            turn = list(rng.randint(3, vocab, int(rng.randint(1, 7))))
+            r = engine.submit([turn], self.greedy(int(rng.randint(1, 6))), session=sid)[0]
+            if sid is not None:
+                sessions[sid] = r
+            self.tracked.append((r, list(r.tokens)))
+        else:
+            housekeeping(engine, op, sessions, rng)
+
+    def refused(self, exc: ValueError) -> None:
+        """A request refused at submit (a session turn whose history outgrew the pool): nothing changed."""
+        assert "exceed" in str(exc) or "never be admitted" in str(exc), exc
+        self.figures["refused"] += 1
+
+    def settle(self) -> None:
+        for sid in [sid for sid in self.sessions if sid not in self.engine.sessions]:
+            del self.sessions[sid]  # closed, though the call raised afterwards
+        self.engine.check_invariants()
+
+
 def run_soak(cfg, params, engine_kw: dict, num_ops: int, seed: int = 0, rate: float = 0.05,
              max_new_tokens: int = 7) -> dict:
     """The soak (module docstring); returns its figures. Raises AssertionError on a violation.
     Requests ask for 1 to max_new_tokens new tokens (session turns for at most 5)."""
     rng = np.random.RandomState(seed)
-    vocab = cfg.unpadded_vocab_size
-    system = list(rng.randint(3, vocab, 21))
-    bases = [system + list(rng.randint(3, vocab, n)) for n in (6, 11, 3)] + [list(rng.randint(3, vocab, 17))]
     engine = ik.Engine(cfg, params, ik.EngineConfig(**engine_kw))
+    schedule = Schedule(engine, rng, max_new_tokens)
     faults = Faults(engine, rng, rate)
-    greedy = lambda n: ik.SamplingParams(max_new_tokens=n, stop_at_eos=False)
-    tracked = []  # (request, the full history it answers)
-    sessions: dict[int, object] = {}  # sid -> its turn in flight (a Request) or None
-    figures = Counter()
+    greedy, tracked, figures = schedule.greedy, schedule.tracked, schedule.figures
     t0 = time.perf_counter()
     for _ in range(num_ops):
-        op = rng.choice(OPS, p=OP_WEIGHTS)
-        figures[op] += 1
+        op = schedule.draw()
         try:
-            if op == "submit":
-                base = bases[rng.randint(len(bases))]
-                prompt = base[:rng.randint(1, len(base) + 1)] + [int(rng.randint(3, vocab))]
-                r = engine.submit([prompt], greedy(int(rng.randint(1, max_new_tokens + 1))))[0]
-                tracked.append((r, list(r.tokens)))
-            elif op == "step":
-                engine.step()
-            elif op == "abort":
-                live = [r for r, _ in tracked if r.finish_reason is None and r.error is None]
-                if live:
-                    engine.abort(live[rng.randint(len(live))])
-            elif op == "turn":
-                idle = [sid for sid, turn in sessions.items() if turn is None or turn.finish_reason is not None]
-                if not idle or (len(sessions) < 2 and rng.rand() < 0.4):
-                    sid = engine.open_session()
-                else:
-                    sid = idle[rng.randint(len(idle))]
-                turn = list(rng.randint(3, vocab, int(rng.randint(1, 7))))
-                r = engine.submit([turn], greedy(int(rng.randint(1, 6))), session=sid)[0]
-                sessions[sid] = r
-                tracked.append((r, list(r.tokens)))
-            elif op == "close" and sessions:
-                sid = list(sessions)[rng.randint(len(sessions))]
-                engine.close_session(sid, abort=True)
-                del sessions[sid]
-            elif op == "evict":
-                engine.evict_all()
-            elif op == "compact":
-                engine.compact()
+            schedule.run(op)
         except (InjectedFault, KeyboardInterrupt):
             figures["raised"] += 1
-        except ValueError as exc:  # a session turn whose history outgrew the pool: refused, nothing changed
-            assert "exceed" in str(exc) or "never be admitted" in str(exc), exc
-            figures["refused"] += 1
-        for sid in [sid for sid in sessions if sid not in engine.sessions]:
-            del sessions[sid]  # closed, though the call raised afterwards
-        engine.check_invariants()
+        except ValueError as exc:
+            schedule.refused(exc)
+        schedule.settle()
     faults.enabled = False
     while engine.running or engine.waiting:
         engine.step()

@@ -4,8 +4,9 @@ One test per failure found by the probe (issue 15): interrupted output reads (pr
 decode, a session turn), failed compaction copies (before and after the arena was donated),
 unvalidated settings and prompts, sessions ignored by admission, dead tree leaves after
 eviction, stop ids past the batch's width with speculation, seeded speculative sampling that
-depended on the batch, params of another config, two threads on one engine; and a
-fault-injection soak (`faults.py`; `INKLING_SOAK_OPS` sets its length)."""
+depended on the batch, params of another config, two threads on one engine; a
+fault-injection soak (`faults.py`; `INKLING_SOAK_OPS` sets its length); and chaos: real SIGINTs
+at random moments inside steps (`chaos.py`; `INKLING_CHAOS_OPS` sets its length, issue 35)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import pytest
 
 import inkling_jax as ik
 from conftest import ENGINE_KW, TRUNK, make_engine
+from chaos import CHAOS_MODES, run_chaos
 from faults import InjectedFault, run_soak
 
 GREEDY = ik.SamplingParams(max_new_tokens=8, stop_at_eos=False)
@@ -319,3 +321,69 @@ def test_fault_injection_soak(trunk_params, overlap):
     assert figures["completed"] > 10 and figures["raised"] > 3
     assert (figures["overlapped dispatches"] > 10) == overlap, figures
     assert sum(v for k, v in figures.items() if k.startswith("faults:")) > 3
+
+
+# ------------------------------------------------------------------- chaos
+
+
+@pytest.mark.parametrize("mode", list(CHAOS_MODES))
+def test_chaos_interrupts(trunk_params, spec_params, mode):
+    """Real Ctrl-C (SIGINT from a timer thread to the main thread) at random moments inside
+    about half the steps of a random schedule (shared prefixes, session turns and closes,
+    aborts, evictions, compactions) with the prefix cache and speculative decoding or
+    multi-step decode with overlap: the invariants hold after every operation and every greedy
+    output is the model's teacher-forced argmax (an aborted one a prefix of it). The engines
+    are those of the tests above (the same compiled steps): the speculative one of
+    `test_seeded_speculative_sampling_does_not_depend_on_the_batch`, the overlap soak's."""
+    ops = int(os.environ.get("INKLING_CHAOS_OPS", "300"))
+    if mode == "spec":
+        cfg, params, kw = SPEC_CFG, spec_params, {**ENGINE_KW, **CHAOS_MODES[mode]}
+    else:
+        cfg, params, kw = TRUNK, trunk_params, {**ENGINE_KW, "num_slots": 10, "num_pages": 40, **CHAOS_MODES[mode]}
+    figures = run_chaos(cfg, params, kw, ops, seed=1)
+    print(f"chaos {mode}:", figures)
+    assert figures["interrupted steps"] >= ops // 15 and figures["completed"] >= 20, figures
+    assert figures["verify steps" if mode == "spec" else "overlapped dispatches"] > 0, figures
+
+
+def test_ctrl_c_right_after_an_allocation(trunk_params):
+    """A real SIGINT raised the moment a slot or page allocation returns (inside admission,
+    page growth and checkpoint planning: the host's windows between taking a resource and
+    recording its owner): the interrupt waits for the section to end, so every allocation has
+    an owner (the invariants hold after each interrupted step) and the outputs are exact."""
+    import signal
+
+    engine = make_engine(trunk_params, num_slots=10, num_pages=40)
+    armed = {"n": 0}
+    for name in ("alloc_slot", "alloc_page"):
+        real = getattr(engine.pool, name)
+
+        def alloc(real=real):
+            got = real()
+            if armed["n"] > 0:
+                armed["n"] -= 1
+                signal.raise_signal(signal.SIGINT)
+            return got
+        setattr(engine.pool, name, alloc)
+    prompts = prompts_from(40, (21, 9, 30, 14, 25))
+    reqs = engine.submit(prompts[:3], GREEDY)
+    sid = engine.open_session()
+    turns = [engine.submit([prompts[3]], GREEDY, session=sid)[0]]
+    interrupted = 0
+    while engine.running or engine.waiting:
+        armed["n"] = 1
+        try:
+            engine.step()
+        except KeyboardInterrupt:
+            interrupted += 1
+        engine.check_invariants()
+        if turns[-1].finish_reason is not None and len(turns) == 1:
+            turns.append(engine.submit([prompts[4]], GREEDY, session=sid)[0])
+    armed["n"] = 0
+    assert interrupted >= 5
+    clean = make_engine(trunk_params, prefix_cache=False)
+    assert [r.out_tokens for r in reqs] == [c.tokens for c in clean.generate(prompts[:3], GREEDY)]
+    history = prompts[3] + turns[0].out_tokens + prompts[4]
+    assert turns[1].out_tokens == clean.generate([history], GREEDY)[0].tokens
+    engine.close_session(sid)
+    engine.check_invariants()

@@ -4,6 +4,8 @@ prefix hits after speculation, and the sampling distribution."""
 
 from __future__ import annotations
 
+import re
+
 import jax
 import numpy as np
 import pytest
@@ -336,7 +338,25 @@ def test_prompt_whose_last_token_is_pending_alone(spec_params):
     engine.check_invariants()
 
 
-def test_drafts_hook_of_the_wrong_length_is_a_clear_error(spec_params):
-    engine = spec_engine(spec_params, 2, script=lambda r, proposed: proposed[:1])
-    with pytest.raises(ValueError, match=r"drafts_for\(request 0\) returned .*exactly spec_steps=2"):
-        engine.generate(prompts_from(38, (5,)), ik.SamplingParams(max_new_tokens=4, stop_at_eos=False))
+def test_drafts_hook_of_the_wrong_length_fails_its_request_alone(spec_params):
+    """A drafts_for hook that returns the wrong drafts for one request, or raises, fails that
+    request with the reason (issue 35); the other request's tokens are plain greedy's."""
+    def script(r, proposed):
+        if r.rid == 0:
+            return proposed[:1]
+        if r.rid == 2:
+            raise KeyError("no drafts here")
+        return proposed
+
+    engine = spec_engine(spec_params, 2, script=script)
+    sp = ik.SamplingParams(max_new_tokens=4, stop_at_eos=False)
+    prompts = prompts_from(38, (5, 7, 6))
+    out = engine.generate(prompts, sp)
+    assert [c.finish_reason for c in out] == ["error", "length", "error"]
+    assert re.search(r"drafts_for raised ValueError: drafts_for\(request 0\) returned .*exactly spec_steps=2",
+                     out[0].error)
+    assert out[2].error == "drafts_for raised KeyError: 'no drafts here'"
+    plain = spec_engine(spec_params, 0, prefix_cache=False)
+    assert out[1].tokens == plain.generate([prompts[1]], sp)[0].tokens
+    engine.check_invariants()
+    assert engine.pool.live_count("slot") == len(engine.tree.owned()[0])

@@ -178,6 +178,25 @@ class PrefixTree:
         upper.children[self._key(node.tokens)] = node
         return upper
 
+    def add_child(self, parent: Node, tokens, pages: list[int], checkpoint: int | None, hits: int = 0,
+                  last_used: int = 0) -> Node:
+        """Attach a node under `parent` as it was saved (`engine/persist.py` rebuilds a tree
+        node by node, parents first): its edge, pages, checkpoint and eviction figures. The
+        tree owns the pages and the checkpoint from here on."""
+        tokens = tuple(int(t) for t in tokens)
+        assert tokens and len(tokens) == len(pages) * self.page_size, "add_child: tokens must cover the pages"
+        assert self._key(tokens) not in parent.children, "add_child: the parent has that edge already"
+        node = Node(tokens, list(pages), parent, parent.depth + len(tokens), checkpoint=checkpoint, hits=hits,
+                    last_used=last_used)
+        parent.children[self._key(tokens)] = node
+        self._touched(parent)  # no leaf any more: its heap entries are stale
+        self._touched(node)
+        return node
+
+    def advance_clock(self, t: int) -> None:
+        """Later uses are newer than `t` (after add_child with saved `last_used` values)."""
+        self._clock = itertools.count(max(next(self._clock), t + 1))
+
     # ---------------------------------------------------------------- eviction
 
     def evict(self, need_slots: int = 0, need_pages: int = 0) -> tuple[list[int], list[int]]:

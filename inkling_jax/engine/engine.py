@@ -17,8 +17,9 @@ One `Engine.step()`:
 A step is a transaction. The donated arena and the record that the step's outputs are
 pending change together (`interrupts.critical`: a Ctrl-C lands before or after, never
 between); if reading the outputs fails, they stay pending and the next call finishes the
-step; the host commit is one critical section; compaction moves are acknowledged only after
-their device copy. Should the device state itself be lost (an exception after the arena was
+step; admission and planning (which take slots and pages and record their owners), the host
+commit and the other calls' host changes (submit, abort, close_session, evict_all, compact)
+are critical sections; compaction moves are acknowledged only after their device copy. Should the device state itself be lost (an exception after the arena was
 donated, outputs that cannot be read twice), `reset` restarts every request from its tokens
 (the state is a pure function of them) with an empty prefix cache: outputs stay exact.
 
@@ -187,7 +188,10 @@ class Engine:
 
         prompts: a list of token-id sequences (lists, tuples or 1-D numpy integer arrays).
         n (or `sampling.n`): samples per prompt; with n > 1 each prompt's entry is a list of n
-        Completions (sample j draws as a request with seed `sampling.seed + j`)."""
+        Completions (sample j draws as a request with seed `sampling.seed + j`).
+        A request that failed alone (non-finite logits, an exception from a hook) is returned
+        with finish_reason "error" and the reason in `Completion.error`; the others are
+        exactly what they would have been without it."""
         sampling = self._sampling(sampling, n)
         requests = self.submit(prompts, sampling, session)
         while any(r.finish_reason is None and r.error is None for r in requests):
@@ -239,7 +243,9 @@ class Engine:
         `top_logprobs` most likely tokens at each position. Computed by extend steps that
         score their tokens; a request may start from a prefix-cache hit on its context (never
         deeper: the positions it scores run in its own steps). The values equal the
-        reference forward's log-softmax within fp32 rounding (api.md, "Scoring")."""
+        reference forward's log-softmax within fp32 rounding (api.md, "Scoring"). A pair whose
+        request failed alone (non-finite logits) has the reason in `ScoreResult.error` and None
+        where no log-prob was computed; the others are unaffected."""
         if isinstance(contexts, (str, bytes)) or isinstance(continuations, (str, bytes)) \
                 or len(contexts) != len(continuations):
             raise ValueError("score takes two lists of token-id sequences of the same length (contexts, continuations)")
@@ -249,7 +255,8 @@ class Engine:
         while any(r.finish_reason is None and r.error is None for r in requests):
             self.step()
         self._raise_given_up(requests)
-        return [ScoreResult(b, r.prompt_lps[len(a):], r.prompt_tops[len(a):] if top_logprobs else None, r.cached)
+        return [ScoreResult(b, r.prompt_lps[len(a):], r.prompt_tops[len(a):] if top_logprobs else None, r.cached,
+                            error=r.error if r.finish_reason == "error" else None)
                 for a, b, r in zip(ctx, cont, requests)]
 
     @staticmethod
@@ -263,7 +270,9 @@ class Engine:
 
     @staticmethod
     def _raise_given_up(requests: list[Request]) -> None:
-        failed = [r for r in requests if r.error is not None]
+        """RuntimeError for a request the engine gave up on (it can never be admitted:
+        finish_reason None); a request that failed alone (finish_reason "error") is returned."""
+        failed = [r for r in requests if r.finish_reason is None and r.error is not None]
         if failed:
             raise RuntimeError(f"request {failed[0].rid} was given up: {failed[0].error}")
 
@@ -307,7 +316,8 @@ class Engine:
                     if j == 0:
                         self._check_fits(i, r)
                     out.append(r)
-            self.requests.queue(out, sess)
+            with critical():  # (host records: a Ctrl-C lands before or after, as in every call below)
+                self.requests.queue(out, sess)
             return out
 
     def _check_sampling(self, sampling: SamplingParams, session: int | None) -> None:
@@ -397,16 +407,18 @@ class Engine:
         runs while the device computes the next. Admission, prefill and checkpoint steps
         settle everything first, as without overlap."""
         with self._lock:
-            ahead = self._plan_ahead()
+            with critical():  # planning takes slots and pages: a Ctrl-C waits until each has its owner
+                ahead = self._plan_ahead()
             if ahead is not None:
                 self._dispatch(ahead, feed_from=self._flights[-1])
                 self._stats.overlapped_dispatches += 1
                 self._settle(keep_last=True)
                 return
             self._settle()
-            self.requests.admit_waiting()  # (a request that never fits is given up with the reason)
-            self._write_count_rows()
-            plan = self.scheduler.plan(self.drafts_for)
+            with critical():  # (as above; a plan not dispatched gives its slots back: `_dispatch`)
+                self.requests.admit_waiting()  # (a request that never fits is given up with the reason)
+                self._write_count_rows()
+                plan = self.scheduler.plan(self.drafts_for)
             if plan is None:
                 return
             self._dispatch(plan)
@@ -485,8 +497,8 @@ class Engine:
     def _fetch(self, out: StepOutput) -> HostOutputs:
         """The step's outputs on the host (the one device-to-host transfer of a step)."""
         return HostOutputs(*jax.device_get((out.tokens, out.logprobs, out.num_accepted, out.accepted_logprobs,
-                                            out.drafts, out.top_ids, out.top_logprobs, out.prompt_logprobs,
-                                            out.prompt_top_ids, out.prompt_top_logprobs)))
+                                            out.drafts, out.row_ok, out.top_ids, out.top_logprobs,
+                                            out.prompt_logprobs, out.prompt_top_ids, out.prompt_top_logprobs)))
 
     def _apply_pool(self) -> None:
         try:
@@ -519,7 +531,8 @@ class Engine:
             if isinstance(request, Request) and (request.finish_reason is not None or request.error is not None):
                 return  # it finished (perhaps in the step just settled): nothing to cancel
             # (a running one's freed slots are compacted on the device by the next step)
-            self.requests.abort(request.rid if isinstance(request, Request) else request)
+            with critical():
+                self.requests.abort(request.rid if isinstance(request, Request) else request)
 
     def drafts_for(self, r: Request) -> list[int]:
         """The draft tokens a verify step checks for r: the MTP chain's proposals from the last
@@ -540,7 +553,51 @@ class Engine:
             sess = self.requests.session(sid)
             if sess.turn is not None and abort:
                 self.abort(sess.turn)
-            self.requests.close_session(sid)
+            with critical():
+                self.requests.close_session(sid)
+
+    # ------------------------------------------------------------- durable state
+
+    def save(self, path, prefix_cache: bool = True) -> dict:
+        """Write the open sessions (their histories and kept state) and the prefix cache (all
+        of it, or with prefix_cache=False only the entries the sessions' prefixes lock) under
+        the directory `path`, with orbax, atomically: a process killed meanwhile leaves the
+        previous save loadable (`engine/persist.py`). Requests and session turns in flight
+        are not saved (such a session is saved as its history before the turn). Returns the
+        save's figures (path, slots, pages, bytes, seconds)."""
+        from . import persist
+
+        with self._lock:
+            if self.plan is not None:
+                raise ValueError("save: an engine on a mesh cannot be saved (save / restore is single-device)")
+            self._settle()
+            self._apply_pool()
+            return persist.save(self, path, prefix_cache)
+
+    def load(self, path) -> dict:
+        """Restore a save into this engine, which must be idle (nothing queued or running, no
+        session open): its sessions (with their ids) and prefix cache come back (the engine's
+        own cache entries are dropped first). ValueError,
+        with nothing changed, for a missing or partial save, another model's, one of another
+        layout or engine settings (`persist.MUST_MATCH`), or a pool too small for it."""
+        from . import persist
+
+        with self._lock:
+            return persist.load(self, path)
+
+    @classmethod
+    def restore(cls, path, cfg: InklingConfig, params: Any, config: EngineConfig | None = None,
+                **kw: Any) -> "Engine":
+        """A new engine with the sessions and prefix cache saved under `path` (`save`):
+        `config` None takes the saved EngineConfig. Errors as for `load`."""
+        from . import persist
+
+        if config is None:
+            _, state = persist.read_state(path)
+            config = EngineConfig(**state["config"])
+        engine = cls(cfg, params, config, **kw)
+        engine.load(path)
+        return engine
 
     # ---------------------------------------------------------------- the rest
 
@@ -565,13 +622,15 @@ class Engine:
     def compact(self) -> None:
         """Close every hole in the pool now (lazy mode) and apply the moves on the device."""
         with self._lock:
-            self.pool.compact()
+            with critical():
+                self.pool.compact()
             self._apply_pool()
 
     def evict_all(self) -> None:
         """Drop every unlocked prefix-cache entry."""
         with self._lock:
-            self.admission.evict_all()
+            with critical():
+                self.admission.evict_all()
             self._apply_pool()
 
     def read_slot(self, virtual_slot: int) -> dict[str, np.ndarray]:

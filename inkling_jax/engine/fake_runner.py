@@ -13,7 +13,11 @@ and every step checks what a real model would silently get wrong: a row's slot s
 exactly `seq_start` tokens, and the hash of the tokens its page table reads back equals the
 slot's (so a wrong slot, a stale copy-on-write, a missed compaction move, a page that is not
 the row's or a checkpoint written at the wrong depth raises `FakeStateError` inside the
-step). `fake_generate` is the oracle: what plain decoding of a history gives. Speculative
+step). `fake_generate` is the oracle: what plain decoding of a history gives. `poison` (a class
+attribute: token ids, empty by default) stands for a token whose embedding is NaN: a row whose
+committed inputs contain one has non-finite logits (`row_ok` False, as the real step reports)
+and marks what it wrote (its slot, checkpoints and page positions) as garbage, so a later row
+that reads any of it (the host cached or kept it) raises `FakeStateError`. Speculative
 rows get drafts from the true continuation, wrong at depths chosen by the hash, so every
 accept length occurs; the acceptance rule is greedy's (a sampled row accepts a draft equal
 to its sample), so outputs equal plain decoding's in every mode.
@@ -164,6 +168,7 @@ class FakeOutput:
     num_accepted: np.ndarray
     accepted_logprobs: np.ndarray
     drafts: np.ndarray
+    row_ok: np.ndarray  # [B] bool: no poison token among the row's committed inputs
     top_ids: np.ndarray
     top_logprobs: np.ndarray
     prompt_logprobs: np.ndarray
@@ -175,7 +180,10 @@ class FakeRunner(StepRunner):
     """`StepRunner`'s interface (buckets and shapes are StepRunner's own) over a numpy arena.
 
     `steps_run` counts the batches it ran per mode; `lose_state()` makes the next `run` lose
-    the arena as a failed donation would (for the engine's reset path)."""
+    the arena as a failed donation would (for the engine's reset path). `poison`: token ids
+    that make a row's logits non-finite (module docstring; set it on a subclass)."""
+
+    poison: frozenset = frozenset()
 
     def __init__(self, *args: Any, **kw: Any):
         super().__init__(*args, **kw)
@@ -220,6 +228,14 @@ class FakeRunner(StepRunner):
         counts = self.state.counts.copy()
         counts[rows] = values
         self.state = FakeState(self.state.arena, self.state.slot_v2p, self.state.page_v2p, counts)
+
+    def read_rows(self, rows: np.ndarray) -> np.ndarray:
+        return self.state.arena[np.asarray(rows, np.int64)].copy()
+
+    def write_rows(self, rows: np.ndarray, data: np.ndarray) -> None:
+        arena = self.state.arena.copy()
+        arena[np.asarray(rows, np.int64)] = data
+        self.state = FakeState(arena, self.state.slot_v2p, self.state.page_v2p, self.state.counts)
 
     def compiled_step(self, shape: StepShape):
         self.compiled[shape] = None
@@ -267,7 +283,7 @@ class FakeRunner(StepRunner):
         t = shape.tokens if shape.score else 0
         out = FakeOutput(np.zeros((b, width) if width else b, np.int32), np.zeros((b, width) if width else b,
                          np.float32), np.zeros(b, np.int32), np.zeros((b, spec), np.float32),
-                         np.zeros((b, spec), np.int32), np.zeros(per_row + (k,), np.int32),
+                         np.zeros((b, spec), np.int32), np.ones(b, bool), np.zeros(per_row + (k,), np.int32),
                          np.zeros(per_row + (k,), np.float32), np.zeros(t, np.float32), np.zeros((t, k), np.int32),
                          np.zeros((t, k), np.float32))
         arena = self.state.arena.copy()  # a step is all or nothing, like the donated arena
@@ -288,7 +304,7 @@ class FakeRunner(StepRunner):
             token = int(feed.prev.tokens[src, max(planned - 1, 0)])
             stopped = token in [s for s in batch.sampling.stop_ids[i] if s >= 0]
             tokens[i] = token
-            if not (int(feed.prev.num_accepted[src]) == planned and not stopped):
+            if not (int(feed.prev.num_accepted[src]) == planned and not stopped and feed.prev.row_ok[src]):
                 num_new[i] = num_steps[i] = 0
         return replace(batch, layout=replace(batch.layout, tokens=tokens, num_new=num_new, num_steps=num_steps))
 
@@ -368,6 +384,8 @@ class FakeRunner(StepRunner):
                 hashes.append(hh)
             stop_hit = accepted and drafts[accepted - 1] in stops
             commit = accepted + 1 - (1 if stop_hit else 0)
+            if self._poisoned(arena, new[:commit], i, out, slot, pages, start, len(new), tracks):
+                return
             h_end = advance(h, start, new[:commit], [(v, at) for v, at in tracks if at <= commit])
             for j in range(commit, len(new)):  # K/V of rejected drafts: rewritten before any read
                 self._write_page_token(arena, pages, start + j, new[j])
@@ -384,6 +402,8 @@ class FakeRunner(StepRunner):
             out.drafts[i] = self._drafts(mix(h_end, int(out.tokens[i])), temp, seed, start + commit + 1)
             return
         if width is None:  # extend, or a one-step decode
+            if self._poisoned(arena, new, i, out, slot, pages, start, n, tracks):
+                return
             if shape.score:
                 self._score(out, batch, i, h, new)
             h_end = advance(h, start, new, tracks)
@@ -398,6 +418,9 @@ class FakeRunner(StepRunner):
             return
         token, pos = new[0], start  # a K-step decode: each step's sample feeds the next
         for j in range(int(batch.layout.num_steps[i])):
+            if self._poisoned(arena, [token], i, out, slot, pages, start, pos + 1 - start, tracks):
+                out.num_accepted[i] = j + 1  # the failing step ran (decode_loop.py)
+                return
             h = advance(h, pos, [token], [(v, at - j) for v, at in tracks if at == j + 1])
             self._write_slot(arena, slot, pos + 1, h)
             token = choose(h, pos + 1, out_len + j)
@@ -424,6 +447,21 @@ class FakeRunner(StepRunner):
             if k:
                 self._put_top(out.prompt_top_ids[q0 + j], out.prompt_top_logprobs[q0 + j],
                               top_tokens(h, out.prompt_top_ids.shape[1], self.vocab))
+
+    def _poisoned(self, arena: np.ndarray, inputs: list[int], i: int, out: FakeOutput, slot: int, pages: list[int],
+                  start: int, n: int, tracks: list[tuple[int, int]]) -> bool:
+        """If a poison token is among the row's committed inputs: its logits are non-finite
+        (row_ok False) and everything it wrote this step is garbage: its slot, its checkpoint
+        slots and page positions [start, start + n) are marked so that any later read fails."""
+        if not self.poison.intersection(inputs):
+            return False
+        out.row_ok[i] = False
+        for s in [slot] + [self._translate_slot(v) for v, _ in tracks]:
+            self._write_slot(arena, s, -1, 0)
+        for pos in range(start, start + n):
+            if pos // self.config.page_size < len(pages) and pages[pos // self.config.page_size]:
+                self._write_page_token(arena, pages, pos, -1)
+        return True
 
     def _drafts(self, h: int, temp: float, seed: int, pos: int) -> list[int]:
         """The fake MTP chain: the true continuation, wrong where `draft_is_wrong` says."""

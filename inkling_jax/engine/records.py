@@ -17,7 +17,8 @@ class Completion:
     tokens: list[int]
     logprobs: list[float]  # log p of each chosen token under the model
     cached_tokens: int  # prompt tokens served from the prefix cache
-    finish_reason: str  # "length", "stop" or "abort"
+    finish_reason: str  # "length", "stop", "abort" or "error"
+    error: str | None = None  # finish_reason "error": why the request failed (the others were not affected)
     text: str | None = None  # the decoded output (an engine with a tokenizer), cut at a stop string
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     top_logprobs: list[TopLogprobs] | None = None  # SamplingParams.logprobs = k > 0: k alternatives per token
@@ -38,7 +39,7 @@ class StreamDelta:
     logprobs: list[float]  # their log-probs under the model
     top_logprobs: list[TopLogprobs] | None  # SamplingParams.logprobs = k > 0: k alternatives per new token
     text: str  # the decoded text they add ("" without the engine's tokenizer; held back near a stop string)
-    finish_reason: str | None  # set on the request's last delta: "length", "stop" or "abort"
+    finish_reason: str | None  # set on the request's last delta: "length", "stop", "abort" or "error"
     request_id: int
 
 
@@ -50,6 +51,7 @@ class ScoreResult:
     logprobs: list[float]  # log p(tokens[i] | context + tokens[:i])
     top_logprobs: list[TopLogprobs] | None  # top_logprobs = k > 0: the k most likely tokens at each position
     cached_tokens: int  # context tokens served from the prefix cache
+    error: str | None = None  # the request failed alone (non-finite logits): why (logprobs: None where not computed)
 
 
 @dataclass
@@ -96,7 +98,8 @@ class Request:
     out_tokens: list[int] = field(default_factory=list)
     out_logprobs: list[float] = field(default_factory=list)
     finish_reason: str | None = None
-    error: str | None = None  # why the engine gave up on it (it can never be admitted)
+    error: str | None = None  # why it failed (finish_reason "error"), or why the engine gave up on it
+    #                           (finish_reason None: it can never be admitted)
     drafts: list[int] = field(default_factory=list)  # speculative: the next round's draft tokens
     accept_lengths: list[int] = field(default_factory=list)  # speculative: drafts accepted per verify round
     seed: int = 0
@@ -136,4 +139,5 @@ class Request:
                           top_logprobs=list(self.out_tops) if self.sampling.logprobs else None,
                           prompt_logprobs=list(self.prompt_lps) if scored else None,
                           prompt_top_logprobs=list(self.prompt_tops) if scored and self.prompt_top else None,
-                          index=self.index, sample=self.sample)
+                          index=self.index, sample=self.sample,
+                          error=self.error if self.finish_reason == "error" else None)

@@ -2,8 +2,9 @@
 
     queued ──admit_waiting──> running ──finish──> done (its state to its session, or released)
        │                        │
-       ├──give_up (never fits)  └──abort──> done ("abort"; a session turn hands its state back)
-       └──abort
+       ├──give_up (never fits)  ├──abort──> done ("abort"; a session turn hands its state back)
+       ├──abort                 └──fail───> done ("error"; its state is dropped, nothing cached)
+       └──fail
 
 Every change of `waiting`, `running`, `sessions` and of a session's turn in flight goes
 through a method here; the resource side of each transition (slots, pages, checkpoints, the
@@ -49,7 +50,7 @@ class Requests:
         self.admission = Admission(config, pool, tree, stats, self)
         self.checkpoints = CheckpointPolicy(config, tree, self.admission, stats)
         self._rids = itertools.count()
-        self._sids = itertools.count(1)
+        self.next_sid = 1  # the id the next open_session gives
         self.free_count_rows = list(range(config.max_running, 0, -1))  # pop() gives the smallest
         self.count_resets: list[Request] = []  # admitted with a count row not written yet
 
@@ -59,7 +60,8 @@ class Requests:
     # ------------------------------------------------------------------ sessions
 
     def open_session(self) -> int:
-        sid = next(self._sids)
+        sid = self.next_sid
+        self.next_sid += 1
         self.sessions[sid] = Session(sid)
         return sid
 
@@ -79,6 +81,15 @@ class Requests:
         del self.sessions[sid]
         if sess.held is not None:
             self.admission.release(sess.held)
+
+    def adopt_session(self, sid: int, tokens: list[int], held: Resources | None) -> Session:
+        """Open session `sid` with a history and the state it keeps (a restored save,
+        `engine/persist.py`)."""
+        if sid in self.sessions:
+            raise ValueError(f"session {sid} is open already")
+        self.sessions[sid] = sess = Session(sid, list(tokens), held)
+        self.next_sid = max(self.next_sid, sid + 1)
+        return sess
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -179,6 +190,29 @@ class Requests:
             return
         kept = self.checkpoints.insert_at_finish(r)
         self.admission.release(held, keep_track=kept)
+
+    def fail(self, r: Request, reason: str) -> None:
+        """r fails alone: it finishes with finish_reason "error" and `reason` in r.error, and
+        nothing it wrote is kept: its slots (checkpoint slots included) and own pages go back
+        to the pool, its prefix lock is released, no checkpoint of it reaches the prefix tree.
+        A session turn drops the session's kept state (the turn wrote into it) and leaves the
+        history as it was before the turn, so the next turn recomputes the state from the
+        tokens (a prefix hit where the cache has one): exact, as after a reset. Queued or
+        running; the one entry point for a request that goes wrong (the step's non-finite
+        check, an exception from user code the engine calls for it)."""
+        r.finish_reason, r.error = "error", reason
+        self.stats.failed_requests += 1
+        if r in self.waiting:  # nothing written: a session keeps its state
+            self.waiting.remove(r)
+        elif r in self.running:
+            self.running.remove(r)
+            self._release_count_row(r)
+            r.held.reserved_pages = 0
+            self.admission.release(r.held)
+            if r.session is not None:
+                r.session.held = None  # the turn had taken it over (released above)
+        if r.session is not None:
+            r.session.turn = None
 
     def abort(self, rid: int) -> Request:
         """Cancel a queued or running request by id: it finishes with "abort" (a running

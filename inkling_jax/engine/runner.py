@@ -188,8 +188,9 @@ class StepRunner:
         self.extend_checkpoints = extend_checkpoints  # M of extend steps (decode / verify: 1)
         # the programs this engine uses, by kind: steps by StepShape, unit copies by padded
         # move count, count-table writes by batch bucket, decode feeds by (batch bucket,
-        # previous batch bucket)
-        self._programs: dict[str, dict[Any, Any]] = {"step": {}, "move": {}, "counts": {}, "feed": {}}
+        # previous batch bucket), arena row reads / writes of durable state by ("gather" or
+        # "scatter", padded row count)
+        self._programs: dict[str, dict[Any, Any]] = {"step": {}, "move": {}, "counts": {}, "feed": {}, "rows": {}}
         self.compiled: dict[StepShape, Any] = self._programs["step"]
         self._pending: dict[tuple[str, Any], Future] = {}  # asked for by warmup(wait=False), not taken yet
         self.stats = dict(compiles=0, compile_seconds=0.0)
@@ -250,6 +251,8 @@ class StepRunner:
             return partial(self._request_move, key)
         if kind == "counts":
             return partial(self._request_counts, key)
+        if kind == "rows":
+            return partial(self._request_rows, *key)
         return partial(self._request_feed, *key)
 
     def _program(self, kind: str, key: Any) -> Any:
@@ -318,9 +321,9 @@ class StepRunner:
         outputs are placed as a step's are (one device, or replicated over the mesh)."""
         placed = self.state.arena.sharding if self.plan is None else NamedSharding(self.plan.mesh, PartitionSpec())
         host = lambda *n: jax.ShapeDtypeStruct(n, jnp.int32)
-        dev = lambda *n: jax.ShapeDtypeStruct(n, jnp.int32, sharding=placed)
+        dev = lambda *n, dtype=jnp.int32: jax.ShapeDtypeStruct(n, dtype, sharding=placed)
         args = (host(b), host(b), host(b), host(b, self.config.max_stop_ids), dev(bp, self.decode_steps), dev(bp),
-                host(b), host(b))
+                host(b), host(b), dev(bp, dtype=jnp.bool_))
         return programs.request("feed_decode", {}, lambda: feed_decode, args, cache=self.executable_cache,
                                 background=background)
 
@@ -340,7 +343,8 @@ class StepRunner:
             lay = batch.layout
             tokens, num_new, num_steps = feed_fn(lay.tokens, lay.num_new, lay.num_steps, batch.sampling.stop_ids,
                                                  feed.prev.tokens, feed.prev.num_accepted,
-                                                 pad_to(feed.rows, shape.batch, -1), pad_to(feed.steps, shape.batch, 0))
+                                                 pad_to(feed.rows, shape.batch, -1), pad_to(feed.steps, shape.batch, 0),
+                                                 feed.prev.row_ok)
             batch = dataclasses.replace(batch, layout=dataclasses.replace(lay, tokens=tokens, num_new=num_new,
                                                                           num_steps=num_steps))
         out, self.state = fn(self.params, self.state, batch)
@@ -405,6 +409,42 @@ class StepRunner:
         values = jax.ShapeDtypeStruct((n, self.state.counts.shape[1]), jnp.int32)
         return programs.request("reset_counts", {}, lambda: counts_lib.reset_rows, (self.state.counts, rows, values),
                                 cache=self.executable_cache, background=background)
+
+    # ------------------------------------------------- durable state (engine/persist.py)
+
+    def read_rows(self, rows: np.ndarray) -> np.ndarray:
+        """arena[rows] on the host (single device): one gather, its row count padded to a power
+        of two (one program per padded count, made when first used)."""
+        self._single_device("read_rows")
+        n = pow2_ceil(max(len(rows), 1))
+        fn = self._program("rows", ("gather", n))
+        return np.asarray(jax.device_get(fn(self.state.arena, pad_to(rows, n, 0))))[:len(rows)]
+
+    def write_rows(self, rows: np.ndarray, data: np.ndarray) -> None:
+        """arena[rows] = data (single device): one scatter, the arena donated; the padding rows
+        point past the arena (dropped)."""
+        self._single_device("write_rows")
+        n = pow2_ceil(max(len(rows), 1))
+        fn = self._program("rows", ("scatter", n))
+        data = np.concatenate([data, np.zeros((n - len(rows), *data.shape[1:]), data.dtype)])
+        with critical():
+            self.state = self.state.replace(arena=fn(self.state.arena, pad_to(rows, n, self.state.arena.shape[0]),
+                                                     data))
+
+    def _single_device(self, what: str) -> None:
+        if self.plan is not None:
+            raise ValueError(f"{what}: durable state is single-device (an engine on a mesh cannot be saved or restored)")
+
+    def _request_rows(self, how: str, n: int, background: bool) -> Future:
+        arena = self.state.arena
+        rows = jax.ShapeDtypeStruct((n,), jnp.int32)
+        if how == "gather":
+            make, args = (lambda: jax.jit(lambda a, r: a[r])), (arena, rows)
+        else:
+            data = jax.ShapeDtypeStruct((n, *arena.shape[1:]), arena.dtype)
+            make = lambda: jax.jit(lambda a, r, d: a.at[r].set(d, mode="drop"), donate_argnums=(0,))
+            args = (arena, rows, data)
+        return programs.request(f"{how}_rows", {}, make, args, cache=self.executable_cache, background=background)
 
     def state_lost(self) -> bool:
         """The arena was donated to a computation whose result never arrived."""

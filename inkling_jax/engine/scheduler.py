@@ -16,6 +16,10 @@ ones not yet in the state: its prompt's rest, or the last sampled token.
 
 A plan may take checkpoint slots (`Resources.step_slots`); `abandon` gives them back when
 the step is not committed.
+
+A request fails alone (`Requests.fail`, finish_reason "error") when its row's logits are not
+finite (`HostOutputs.row_ok`, computed on the device) or when user code the engine calls for
+it raises (the `drafts_for` hook): the other rows commit as if it had not been there.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ class HostOutputs:
     num_accepted: np.ndarray  # [B] (verify: drafts accepted; K-step decode: steps run)
     accepted_logprobs: np.ndarray  # [B, S]
     drafts: np.ndarray  # [B, S]
+    row_ok: np.ndarray  # [B] bool: the row's logits were finite (False: its request fails)
     top_ids: np.ndarray  # [B, L] (K-step decode: [B, K, L]; verify: [B, S+1, L])
     top_logprobs: np.ndarray  # as top_ids
     prompt_logprobs: np.ndarray  # [T] (a scoring extend step; else [0])
@@ -101,6 +106,16 @@ class Scheduler:
         else:
             mode = "extend" if prefilling else ("verify" if spec else "decode")
         self.last_mode = mode
+        drafts = {}
+        if mode == "verify":  # the hook is user code: one that raises fails its request alone
+            for r in running:
+                try:
+                    drafts[id(r)] = self._checked_drafts(r, drafts_for)
+                except Exception as exc:  # noqa: BLE001 - reported on the request
+                    self.requests.fail(r, f"drafts_for raised {type(exc).__name__}: {exc}")
+            running = [r for r in running if id(r) in drafts]
+            if not running:
+                return None
         new_tokens, checkpoints, budget = [], [], cfg.max_step_tokens
         for r in running:
             if mode == "verify":
@@ -122,7 +137,8 @@ class Scheduler:
             self.admission.grow_pages(r.held, r.committed + n)
         plan = StepPlan(mode, list(running), new_tokens, checkpoints)
         plan.score = mode == "extend" and any(self._scored(r, r.committed, n) for r, n in zip(running, new_tokens))
-        plan.rows = [self._row_plan(mode, r, n, cks, drafts_for) for r, n, cks in zip(running, new_tokens, checkpoints)]
+        plan.rows = [self._row_plan(mode, r, n, cks, drafts.get(id(r))) for r, n, cks in zip(running, new_tokens,
+                                                                                              checkpoints)]
         return plan
 
     @staticmethod
@@ -185,9 +201,9 @@ class Scheduler:
         return eos + list(r.sampling.stop_token_ids)
 
     def _row_plan(self, mode: str, r: Request, n: int, checkpoints: list[Checkpoint],
-                  drafts_for: DraftSource | None, start: int | None = None) -> RowPlan:
-        """r's row; `start`: planned ahead, the row starts at that position (its token is fed on
-        the device, a placeholder here)."""
+                  drafts: list[int] | None, start: int | None = None) -> RowPlan:
+        """r's row (`drafts`: verify, the checked drafts); `start`: planned ahead, the row starts
+        at that position (its token is fed on the device, a placeholder here)."""
         held, spec = r.held, self.config.spec_steps
         seq_start = held.committed if start is None else start
         row = RowPlan(tokens=[], seq_start=seq_start, virtual_slot=held.virtual_slot,
@@ -201,7 +217,7 @@ class Scheduler:
             row.tokens, row.num_steps, row.sample_next = [0], n, True
             return row
         if mode == "verify":
-            row.tokens = [r.tokens[held.committed]] + self._checked_drafts(r, drafts_for)
+            row.tokens = [r.tokens[held.committed]] + drafts
             remaining = r.sampling.max_new_tokens - len(r.out_tokens)
             row.max_accept = max(0, min(spec, remaining - 1))
             row.sample_next = True
@@ -216,7 +232,8 @@ class Scheduler:
 
     def _checked_drafts(self, r: Request, drafts_for: DraftSource) -> list[int]:
         """The drafts a verify row checks for r: exactly spec_steps token ids (ValueError naming
-        the hook otherwise: a short row would shift every later row's packed tokens)."""
+        the hook otherwise: a short row would shift every later row's packed tokens; `plan`
+        fails the request with it)."""
         drafts = list(drafts_for(r))
         spec, vocab = self.config.spec_steps, self.cfg.unpadded_vocab_size
         if len(drafts) != spec or not all(is_int(t) and 0 <= t < vocab for t in drafts):
@@ -227,7 +244,9 @@ class Scheduler:
     # -------------------------------------------------------------------- commit
 
     def commit(self, plan: StepPlan, out: HostOutputs) -> list[Request]:
-        """Apply a step's outputs to the records; returns the requests that finished."""
+        """Apply a step's outputs to the records; returns the requests that finished. A row
+        whose logits were not finite (`out.row_ok`) fails its request alone (`Requests.fail`):
+        nothing of this step is committed for it."""
         self.stats.count_step(plan.mode)
         now = time.perf_counter()
         live = {id(r) for r in self.running}
@@ -236,6 +255,10 @@ class Scheduler:
             q0, packed = packed, packed + len(plan.rows[i].tokens)
             if id(r) not in live:  # planned ahead, then finished (or aborted) before this step: the
                 continue           # device ran its row as padding (steps/feed.py), its slots are gone
+            if not out.row_ok[i]:
+                self.requests.fail(r, f"non-finite logits (NaN or inf) at position {r.committed} ({plan.mode} "
+                                      f"step): its state was dropped and nothing of it was cached")
+                continue
             r.virtual_cow_slot = 0
             if plan.mode == "verify":
                 self._commit_verify(r, plan.rows[i], out, i, now)
@@ -258,7 +281,8 @@ class Scheduler:
                           self._top(r, out.top_ids[i], out.top_logprobs[i]))
                 if self.config.spec_steps:
                     r.drafts = [int(t) for t in out.drafts[i]]
-        finished = [r for r in plan.requests if r.finish_reason is not None and id(r) in live]
+        running = {id(r) for r in self.running}  # (a failed request has left already)
+        finished = [r for r in plan.requests if r.finish_reason is not None and id(r) in running]
         for r in finished:
             self.requests.finish(r)
         return finished

@@ -25,6 +25,7 @@ class EngineStats:
     skipped_checkpoints: int = 0  # no slot was free for one
     overlapped_dispatches: int = 0
     resets: int = 0  # device state rebuilt from the host records
+    failed_requests: int = 0  # finished with "error" (non-finite logits, an exception from a hook)
 
     def count_step(self, mode: str) -> None:
         self.steps += 1

@@ -308,9 +308,12 @@ def set_rows(view: Array, unit: Int[Array, "t"], sub: Int[Array, "t"], values: A
     depend on it: without that nothing orders the in-place write (it depends on k, v only)
     after the reads, and XLA's copy insertion copies the whole donated arena ahead of it, once
     per layer. An optimization_barrier would not do on the CPU (XLA:CPU drops barriers before
-    copy insertion). The sink is only ever read as masked keys, and the value is finite
-    whenever the attention is (as the masked tokens' K/V were)."""
-    values = jnp.where(keep[:, None], values, after.reshape(-1)[0].astype(values.dtype))
+    copy insertion). The sink is only ever read as masked keys; the element is replaced by 0
+    where it is not finite (it is row 0's output: a row gone NaN must not write NaN where
+    every padded row reads)."""
+    first = after.reshape(-1)[0]
+    fill = jnp.where(jnp.isfinite(first), first, jnp.zeros((), first.dtype)).astype(values.dtype)
+    values = jnp.where(keep[:, None], values, fill)
     if unit.shape[0] == 1:
         zero = jnp.zeros((), unit.dtype)
         return jax.lax.dynamic_update_slice(view, values[:, None].astype(view.dtype), (unit[0], sub[0], zero))

@@ -16,12 +16,13 @@ otherwise than the lone step):
         out_len    = batch.sampling.out_len + j           (min_tokens; the counts follow in the state)
 
 A row is active while j < num_steps[i] and no earlier iteration sampled one of its stop ids
-(`batch.sampling.stop_ids`, its eos included). An inactive row is a padded row (sink slot and pages,
-no new token): the state past a stop is never written, as when the host stops feeding it.
+(`batch.sampling.stop_ids`, its eos included) or had non-finite logits (`StepOutput.row_ok`).
+An inactive row is a padded row (sink slot and pages, no new token): the state past a stop is
+never written, as when the host stops feeding it.
 
 Outputs: tokens / logprobs [B, K] (iteration j's sample in column j; columns at and past
 `num_accepted` are not valid), top_ids / top_logprobs [B, K, L] likewise, num_accepted [B] =
-the iterations the row ran. A while loop
+the iterations the row ran, row_ok [B] = every iteration it ran had finite logits. A while loop
 with a static trip count (fori_loop over constants) runs on the device without reading a
 predicate back to the host.
 """
@@ -41,14 +42,14 @@ def decode_loop(single_step: Callable, state, batch: StepBatch, steps: int, quer
     """Run `single_step(state, batch_j) -> (StepOutput, state)` for j = 0..steps-1 with the
     batch of each iteration as the module docstring says (`top_logprobs`: the step's L).
     Returns (tokens [B, K], logprobs [B, K], top_ids [B, K, L], top_logprobs [B, K, L], steps
-    run [B], the last iteration's drafts [B, S], state); `run_step` makes the StepOutput of
-    them."""
+    run [B], the last iteration's drafts [B, S], row_ok [B], state); `run_step` makes the
+    StepOutput of them."""
     b = batch.layout.num_new.shape[0]
     pad_offset = query + PAD_TOKEN_OFFSET
     stops = batch.sampling.stop_ids
 
     def body(j, carry):
-        state, token, active, tokens, logprobs, top_ids, top_lps, ran, drafts = carry
+        state, token, active, tokens, logprobs, top_ids, top_lps, ran, drafts, ok = carry
         col = lambda x: jnp.where(active[:, None], x, 0)
         lay, ids = batch.layout, batch.slots
         step_batch = dataclasses.replace(
@@ -68,13 +69,16 @@ def decode_loop(single_step: Callable, state, batch: StepBatch, steps: int, quer
         top_lps = top_lps.at[:, j].set(out.top_logprobs)
         ran = ran + active.astype(jnp.int32)
         stopped = jnp.any((out.tokens[:, None] == stops) & (stops >= 0), axis=1)
-        active = active & ~stopped & (j + 1 < batch.layout.num_steps)
-        return state, jnp.where(active, out.tokens, token), active, tokens, logprobs, top_ids, top_lps, ran, out.drafts
+        ok = ok & (out.row_ok | ~active)
+        active = active & ~stopped & (j + 1 < batch.layout.num_steps) & out.row_ok
+        return (state, jnp.where(active, out.tokens, token), active, tokens, logprobs, top_ids, top_lps, ran,
+                out.drafts, ok)
 
     spec = batch.spec.lookahead.shape[1] - 1
     k = top_logprobs
     carry = (state, batch.layout.tokens, batch.layout.num_new > 0, jnp.zeros((b, steps), jnp.int32),
              jnp.zeros((b, steps), jnp.float32), jnp.zeros((b, steps, k), jnp.int32),
-             jnp.zeros((b, steps, k), jnp.float32), jnp.zeros(b, jnp.int32), jnp.zeros((b, spec), jnp.int32))
-    state, _, _, tokens, logprobs, top_ids, top_lps, ran, drafts = jax.lax.fori_loop(0, steps, body, carry)
-    return tokens, logprobs, top_ids, top_lps, ran, drafts, state
+             jnp.zeros((b, steps, k), jnp.float32), jnp.zeros(b, jnp.int32), jnp.zeros((b, spec), jnp.int32),
+             jnp.ones(b, bool))
+    state, _, _, tokens, logprobs, top_ids, top_lps, ran, drafts, ok = jax.lax.fori_loop(0, steps, body, carry)
+    return tokens, logprobs, top_ids, top_lps, ran, drafts, ok, state

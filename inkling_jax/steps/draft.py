@@ -24,8 +24,10 @@ Params = dict[str, Any]
 @jax.named_scope("draft")
 def draft_phase(params: Params, cfg: InklingConfig, layout: ArenaLayout, ops: Any, arena: Array, batch: StepBatch,
                 target_meta: RowMeta, physical_pages: Array, h_target: Array, commit: Array, track: Array,
-                bonus: Array, parallel: Any = None) -> tuple[Array, Array]:
+                bonus: Array, parallel: Any = None) -> tuple[Array, Array, Array]:
     """Run the MTP depths after the target committed `commit` tokens per row (module docstring).
+    Returns (arena, drafts [B, S], depth 0's logits finite [B]: they read the committed tokens
+    and the next one only, so a non-finite value there is the request's, not a proposal's).
 
     parallel: as for `run_step` (the depths' embed, input_proj and LM head use the mesh
     collectives; their drafts are argmaxes of the gathered logits, the same on every device).
@@ -99,8 +101,11 @@ def draft_phase(params: Params, cfg: InklingConfig, layout: ArenaLayout, ops: An
                 arena = write_slot_field(arena, layout, track_slot[:, m], fields.hidden, at(n_track[:, m]))
         # the draft: depth d's greedy prediction at row e - 1 (index n_rows - 1) is t_{e+d+1}
         last = h_out[jnp.arange(b), jnp.maximum(n_rows - 1, 0)]
-        draft = jnp.argmax(L.lm_head(params, cfg, last, parallel), axis=-1).astype(jnp.int32)
+        draft_logits = L.lm_head(params, cfg, last, parallel)
+        if d == 0:
+            ok = jnp.all(jnp.isfinite(draft_logits), axis=-1)
+        draft = jnp.argmax(draft_logits, axis=-1).astype(jnp.int32)
         drafts.append(draft)
         la = jnp.where(batch.spec.sample_next[:, None] & (idx == commit[:, None] + d), draft[:, None], la)
         h_prev = h_out
-    return arena, jnp.stack(drafts, axis=1)
+    return arena, jnp.stack(drafts, axis=1), ok

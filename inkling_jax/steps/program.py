@@ -16,10 +16,17 @@ Data flow of one step:
      the committed length are rewritten before any query reads them);
   3. the LM head, the logits processors and sampling (extend / decode: each row's last token;
      verify: every draft position, then acceptance with the rejection-sampling rule), the
-     emitted tokens counted into the rows' count-table rows (`counts.py`), and, where asked,
-     each emitted token's top alternatives and (a scoring extend step, `StepShape.score`) the
-     log-prob of every packed token's known next token;
-  4. with speculative decoding, the draft phase: the MTP depths, one after another (below).
+     emitted tokens counted into the rows' count-table rows (`counts.py`), whether the row's
+     logits are finite (`finite_rows`: `StepOutput.row_ok`, False fails the request on the
+     host), and, where asked, each emitted token's top alternatives and (a scoring extend step,
+     `StepShape.score`) the log-prob of every packed token's known next token;
+  4. with speculative decoding, the draft phase: the MTP depths, one after another (below);
+     depth 0's logits count in `row_ok` (they read committed tokens only; the deeper depths
+     read proposals, which never enter the state).
+
+No value of one row reaches another row's results: every masked product over the packed
+tokens selects (`jnp.where`) instead of multiplying by a zero weight, so a row whose values
+are NaN or inf (a poisoned embedding, an overflow) fails alone (design.md, "Isolation").
 
 MTP state is a pure function of the committed tokens. With n committed target positions
 (t_n the next token, sampled or known), depth d has committed rows [0, n - d): row j reads
@@ -42,7 +49,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 from pallas_kernels import conv_ops
 from pallas_kernels.conv_state.ref import PackedRows
 
@@ -71,6 +78,8 @@ class StepOutput:
     #                                the row ran (its valid columns); else 0
     accepted_logprobs: Float[Array, "b s"]  # verify: log p of each draft (valid for the accepted ones)
     drafts: Int[Array, "b s"]  # spec: the next round's draft tokens (valid when sample_next)
+    row_ok: Bool[Array, "b"]  # the row's logits were finite (`finite_rows`); False: the request fails
+    #                           (padded rows: ignore)
     top_ids: Int[Array, "b l"]  # the L most likely tokens where `tokens` was chosen (zeros unless a row asks,
     #                             `SamplingArrays.top_logprobs`); K-step decode: [B, K, L]; verify: [B, S+1, L]
     #                             (position i: the token after the i-th draft)
@@ -79,6 +88,18 @@ class StepOutput:
     #                                     next packed token of its row, or its lookahead[0]); else [0]
     prompt_top_ids: Int[Array, "t l"]  # scoring step: the L most likely next tokens at each packed token
     prompt_top_logprobs: Float[Array, "t l"]
+
+
+def finite_rows(logits: Float[Array, "b ... v"], upto: Int[Array, "b"] | None = None) -> Bool[Array, "b"]:
+    """Whether each row's logits are all finite (no NaN, no inf): one fused reduction over
+    the logits the step computed anyway. Verify logits [B, S+1, V]: only positions 0..upto[b]
+    (the accepted drafts and the bonus) count: the positions after a rejected draft read a
+    token the sequence never takes."""
+    finite = jnp.all(jnp.isfinite(logits), axis=-1)
+    if upto is not None:
+        finite = finite | (jnp.arange(finite.shape[1])[None, :] > upto[:, None])
+        finite = jnp.all(finite, axis=1)
+    return finite
 
 
 def target_meta(batch: StepBatch, query: int, physical_slot: Array, physical_track_slot: Array,
@@ -164,10 +185,10 @@ def run_step(params: Params, state: ServingState, batch: StepBatch, *, cfg: Inkl
         return single_step(params, state, batch, shape=shape, **kw)
     one = dataclasses.replace(shape, steps=1)
     params = L.with_kv_conv(params)
-    tokens, logprobs, top_ids, top_lp, ran, drafts, state = decode_loop(
+    tokens, logprobs, top_ids, top_lp, ran, drafts, ok, state = decode_loop(
         lambda st, bt: single_step(params, st, bt, shape=one, **kw), state, batch, shape.steps, shape.query,
         shape.top_logprobs)
-    return StepOutput(tokens, logprobs, ran, jnp.zeros(drafts.shape, jnp.float32), drafts, top_ids, top_lp,
+    return StepOutput(tokens, logprobs, ran, jnp.zeros(drafts.shape, jnp.float32), drafts, ok, top_ids, top_lp,
                       *score_tokens(params, cfg, batch, None, shape)), state
 
 
@@ -194,6 +215,7 @@ def single_step(params: Params, state: ServingState, batch: StepBatch, *, cfg: I
         drafts = batch.layout.tokens[row_tokens[:, 1:]]  # [B, S]
         n_acc, bonus, bonus_logp, draft_logp = accept_drafts(logits, drafts, batch.sampling, batch.spec.max_accept,
                                                               batch.layout.seq_start + 1, counts)
+        row_ok = finite_rows(logits, n_acc)
         if counts is not None:  # the accepted drafts and the bonus (rejected drafts never count)
             emitted = jnp.concatenate([drafts, jnp.zeros((b, 1), jnp.int32)], axis=1).at[jnp.arange(b), n_acc].set(bonus)
             counts = add_emitted(counts, batch.sampling.count_row, emitted,
@@ -205,6 +227,7 @@ def single_step(params: Params, state: ServingState, batch: StepBatch, *, cfg: I
     else:
         last = jnp.clip(batch.layout.query_start + batch.layout.num_new - 1, 0, h.shape[0] - 1)
         logits = L.lm_head(params, cfg, h[last], parallel)
+        row_ok = finite_rows(logits)
         bonus, bonus_logp = sample_tokens(logits, batch.sampling, batch.layout.seq_start + batch.layout.num_new, counts)
         if counts is not None:  # decode rows emit their sample; extend rows only at their prompt's end
             emits = (batch.layout.num_new > 0) & (batch.spec.sample_next | (shape.mode == "decode"))
@@ -216,10 +239,11 @@ def single_step(params: Params, state: ServingState, batch: StepBatch, *, cfg: I
 
     new_drafts = jnp.zeros((b, spec), jnp.int32)
     if spec:
-        arena, new_drafts = draft_phase(params, cfg, layout, ops, arena, batch, meta, ids.physical_pages, h,
-                                        commit, track, bonus, parallel)
+        arena, new_drafts, draft_ok = draft_phase(params, cfg, layout, ops, arena, batch, meta, ids.physical_pages,
+                                                  h, commit, track, bonus, parallel)
+        row_ok = row_ok & draft_ok
     top_ids, top_lp = top_alternatives(logits, batch.sampling.top_logprobs, shape.top_logprobs)
-    out = StepOutput(bonus, bonus_logp, n_acc, draft_logp, new_drafts, top_ids, top_lp,
+    out = StepOutput(bonus, bonus_logp, n_acc, draft_logp, new_drafts, row_ok, top_ids, top_lp,
                      *score_tokens(params, cfg, batch, h, shape, parallel))
     return out, state.replace(arena=arena, counts=counts)
 

@@ -40,7 +40,8 @@ query head. A program walks key blocks with the online softmax (running max m, s
 accumulator acc [Mp, hd], fp32): s = q @ k^T / hd (fp32 accumulation; fp32 inputs at IEEE
 precision), d = q_pos - k_pos, the bias of just the block's keys (below), the masks, then
 m' = max(m, rowmax(s)), p = exp(s - m'), l = l exp(m - m') + rowsum(p), acc = acc exp(m - m')
-+ p.astype(v) @ v.
++ p.astype(v) @ v, the values of invalid keys selected away first (a stale arena row may
+hold NaN or inf: p = 0 would not cancel it).
 
 Bias and log scaling in the kernel. The step passes r [B, Q, H, dr], rel_proj [dr, E] and tau
 [B, Q] (fp32, 1.0 on layers without log scaling) instead of q * tau and a [B, Q, H, E] table:
@@ -256,6 +257,9 @@ def _decode_call(q, r, rel_proj, tau, k_new, v_new, q_pos, q_valid, arena, unit_
 
         def update(carry, kt, vt, kpos, kok):
             m_i, l_i, acc = carry
+            # invalid keys (stale page / ring rows past the row's context, the new-key block's
+            # padding) are selected away before p @ v: p = 0 times NaN or inf is NaN
+            vt = jnp.where(kok[:, None], vt, jnp.zeros((), vt.dtype))
             sc = jax.lax.dot_general(qt, kt, (((1,), (1,)), ((), ())), precision=hi_prec,
                                      preferred_element_type=jnp.float32) * scale  # [Mp, bk]
             d = qp[:, None] - kpos[None, :]

@@ -37,7 +37,8 @@ out = acc / l (0 where l = 0: a query with no allowed key), cast to q's dtype. A
 has a valid key, allowed for every query of the block, so the far loops need no -inf
 guard; in the near loop rows whose allowed set is still empty keep m = -inf, and the
 exponent is then taken against 0, not -inf, so no NaN arises (a query may still have no
-allowed key at all).
+allowed key at all). Invalid keys' values are zeroed (a select) before p @ v: they may be
+another row's tokens or stale arena rows, and p = 0 times NaN or inf is NaN.
 
 Bias gather (near blocks only). The bias tile is a gather load straight from rel in HBM
 (L2): rel_ref[b, row, h, clip(d, 0, E-1)] with row = min(q index, Q-1) [bq, 1] and the
@@ -219,6 +220,7 @@ def _forward(q, k, v, rel, q_pos, k_pos, k_valid, *, window: int | None, bq: int
             if cls == 1:
                 ok = kok_ref[bi, cols] != 0
                 s = jnp.where(ok[None, :], s, -jnp.inf)
+                vt = jnp.where(ok[:, None], vt, jnp.zeros((), vt.dtype))  # see below
             elif cls == 2:
                 kp = kpos_ref[bi, cols]  # [bk]
                 ok = kok_ref[bi, cols] != 0
@@ -229,6 +231,9 @@ def _forward(q, k, v, rel, q_pos, k_pos, k_valid, *, window: int | None, bq: int
                 bias = rel_ref[bi, rel_rows, hq, jnp.clip(d, 0, e - 1)]  # gather [bq, bk], rel's dtype
                 bias = jnp.where(d < e, bias.astype(jnp.float32), 0.0)  # d < 0 is masked below
                 s = jnp.where(allowed, s + bias, -jnp.inf)
+                # invalid keys' values are selected away, not multiplied by p = 0: they may be
+                # another row's tokens or stale arena rows, and 0 * NaN is NaN
+                vt = jnp.where(ok[:, None], vt, jnp.zeros((), vt.dtype))
             m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
             if cls == 2:  # no allowed key yet: m_new = -inf, take exponents against 0 (exp(-inf) = 0)
                 m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)

@@ -25,7 +25,9 @@ the fallback and the backward of the flash kernel (`pallas.py`).
     allowed = k_valid & (d >= 0) & (window is None or d < window); softmax over the allowed
     keys in fp32; the probabilities are rounded to q's dtype and out = sum_j p * v accumulated
     in fp32 (per key block, the blocks' sums added in order), cast to q's dtype. A query with
-    no allowed key gives zeros. It materialises the fp32 scores [B, H, Q, K] and the gathered
+    no allowed key gives zeros. Invalid keys' values never reach the sum, whatever they hold
+    (selected away, not multiplied by 0: NaN or inf there must not poison the row, nor
+    another row whose tokens the keys are). It materialises the fp32 scores [B, H, Q, K] and the gathered
     bias.
 """
 
@@ -87,7 +89,10 @@ def attention(q: Float[Array, "B Q H D"], k: Float[Array, "B K Hkv D"] | tuple[A
     probs = jnp.where(mask, jax.nn.softmax(scores, axis=-1), 0.0).astype(dtype)
     out = None
     start = 0
-    for vb, n in zip(v, sizes):
+    for vb, valid, n in zip(v, k_valid, sizes):
+        # an invalid key's value is selected away, not multiplied by its zero probability: it may
+        # be anything (another row's token, a stale page or ring row, NaN), and 0 * NaN is NaN
+        vb = jnp.where(valid[:, :, None, None], vb, jnp.zeros((), vb.dtype))
         part = jnp.einsum("bngqk,bknd->bqngd", probs[..., start:start + n], vb, preferred_element_type=jnp.float32)
         out = part if out is None else out + part
         start += n
