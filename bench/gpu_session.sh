@@ -14,7 +14,7 @@
 #            run after check)
 #   decode   bench.serve.serve decode at B = 1 and 32, K = 8 (the merged decode levers in the engine loop,
 #            CONCURRENT command buffers as the steps compile by default)
-#   verify   bench.serve.serve verify at B = 1 and 8, the few-token kernel bound before (1/3) and now (1/2)
+#   verify   bench.serve.serve verify at B = 1 and 8, the few-token kernel bound 1/3 (the library's) against 1/2
 #   prefill  bench.serve.serve prefill at 8 x 1k and 1 x 8k: Pallas grouped GEMMs against ragged_dot
 #   moe      bench.kernels.moe_micro --many: dense, ragged_dot and the grouped-GEMM tilings
 #   profile  bench.profile.engine at B = 1 (decode, K = 8) and a B = 1 verify step (spec_steps 3)

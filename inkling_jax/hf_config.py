@@ -129,7 +129,8 @@ def _vocab(d: Mapping[str, Any], get: Getter) -> dict[str, int]:
     padded = int(get("padded_vocab_size", "vocab_size", default=201024))
     # sglang resets vocab_size to the unpadded size when padded_vocab_size is present
     sglang_unpadded = d.get("vocab_size") if "padded_vocab_size" in d else None
-    return dict(vocab_size=padded, unpadded_vocab_size=int(get("unpadded_vocab_size", default=sglang_unpadded or padded)))
+    unpadded = int(get("unpadded_vocab_size", default=sglang_unpadded or padded))
+    return dict(vocab_size=padded, unpadded_vocab_size=unpadded)
 
 
 def _mtp_fields(get: Getter, mtp: Mapping[str, Any]) -> dict[str, Any]:

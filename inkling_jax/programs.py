@@ -205,7 +205,8 @@ def canon(x: Any) -> str:
     if isinstance(x, jax.sharding.Sharding):
         return sharding_text(x)
     if isinstance(x, dict):
-        return "{" + ", ".join(f"{canon(k)}: {canon(v)}" for k, v in sorted(x.items(), key=lambda kv: repr(kv[0]))) + "}"
+        items = sorted(x.items(), key=lambda kv: repr(kv[0]))
+        return "{" + ", ".join(f"{canon(k)}: {canon(v)}" for k, v in items) + "}"
     if isinstance(x, (list, tuple)):
         return "(" + ", ".join(canon(v) for v in x) + ")"
     if isinstance(x, type) and hasattr(x, "dtype"):  # jnp.float32 and kin
@@ -344,7 +345,8 @@ def environment() -> list[str]:
             f"env backend={jax.default_backend()} platform_version={devices[0].client.platform_version!r}",
             f"env devices={[(d.id, d.device_kind, d.process_index) for d in devices]}",
             f"env processes={jax.process_count()} process={jax.process_index()}",
-            f"env XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r} LIBTPU_INIT_ARGS={os.environ.get('LIBTPU_INIT_ARGS', '')!r}",
+            f"env XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r} "
+            f"LIBTPU_INIT_ARGS={os.environ.get('LIBTPU_INIT_ARGS', '')!r}",
             f"env source={source_digest()}",
         ]
     return _ENVIRONMENT

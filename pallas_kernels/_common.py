@@ -65,7 +65,7 @@ def pow2_ceil(n: float) -> int:
 
 
 @jax.named_scope("norm")
-def rms_norm(x: Float[Array, "... d"], weight: Float[Array, "d"], eps: float) -> Float[Array, "... d"]:
+def rms_norm(x: Float[Array, "... d"], weight: Float[Array, " d"], eps: float) -> Float[Array, "... d"]:
     """x / sqrt(mean(x^2) + eps) * weight, computed in fp32, returned in x's dtype: the
     normalised value rounded to x's dtype, then times the weight (rounded to x's dtype) in x's
     dtype (the kernels that fuse a norm compute exactly this on their tiles)."""

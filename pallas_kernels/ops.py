@@ -45,13 +45,12 @@ import jax.numpy as jnp
 from . import _common, attention, conv_state, moe, norm, slot_ops
 
 # experts: the grouped mat-vec kernel (which reads one expert matrix per choice) up to
-# n * k <= this * E choices, where dense reads all E once: on the H200 (bench model) the
-# kernel moved its choices' bytes at 38 % (n = 1) and 52 % (n = 2) of copy bandwidth, rising
-# with the rows (BENCHMARKS.md, kernel table); dense's GEMMs read all E at most at copy
-# bandwidth: about E / 2 choices is where the two take the same time (an estimate: bench/
-# serve.py --sections verify --few-token-bounds measures it). This takes a batch-1 verify step
-# (4 tokens, top-4 of 32) and decode up to batch 4 off dense (all 32 experts per MoE layer).
-FEW_TOKEN_KERNEL_CHOICES_PER_EXPERT = 0.5
+# n * k <= this * E choices, where dense reads all E once. Measured in the engine loop
+# (BENCHMARKS.md, 2026-12-06, H100, `python -m bench.serve.serve --sections verify
+# --few-token-bounds 0.3333,0.5`): a batch-1 verify step (4 tokens, top-4 of 32 = 16 choices)
+# took 7.31 ms dense and 7.50 ms by the kernel (bound 1/2), batch 8 the same either way; so
+# the bound stays at 1/3: decode up to batch 2 by the kernel, verify steps dense.
+FEW_TOKEN_KERNEL_CHOICES_PER_EXPERT = 1 / 3
 
 # experts: the sorted-block grouped GEMMs from n * k >= this * E choices (E: the router's, every
 # ep shard's): on the H200 (bench model, python -m bench.kernels.moe_micro --many) they ran 0.6x dense at 128

@@ -1,6 +1,7 @@
 """The flash-style attention kernel (`pallas_kernels.attention`) against its jnp reference (the
 model's attention math: `layers.attention_core` is `attention_tables` + `ref.attention`), and the
-kernel's glue (`attention_tables`, one key block) against `attention_core`: interpret mode on CPU, the compiled Triton kernel
+kernel's glue (`attention_tables`, one key block) against `attention_core`: interpret mode on CPU, the compiled Triton
+kernel
 on a GPU. fp32 results match within 1e-5 (only summation orders differ); bf16 within 2e-2 on
 O(1) outputs (the kernel rounds the unnormalised probabilities to bf16 before p @ v, the
 reference the normalised ones; see `pallas_kernels/attention/pallas.py`). Small blocks

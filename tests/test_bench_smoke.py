@@ -25,7 +25,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench"
 SUBJECTS = ("common", "kernels", "decode", "serve", "profile", "check", "host")
 # sys.path edited in code: a call on it, an item or slice assigned, `+=` or `=`; or a site dir added
-SYS_PATH_EDIT = re.compile(r"\bsys\.path\s*(\.\s*(insert|append|extend|remove|pop|clear)\s*\(|\[[^\]]*\]\s*=(?!=)|\+=|=(?!=))"
+SYS_PATH_EDIT = re.compile(r"\bsys\.path\s*(\.\s*(insert|append|extend|remove|pop|clear)\s*\("
+                           r"|\[[^\]]*\]\s*=(?!=)|\+=|=(?!=))"
                            r"|\bsite\.addsitedir\b")
 
 
@@ -50,7 +51,8 @@ def test_bench_is_a_package_without_sys_path_edits():
     assert edits == []
     for ok in ("sys.path", "on `sys.path`: a run", "sys.path == x"):
         assert not SYS_PATH_EDIT.search(ok)
-    for bad in ("sys.path.insert(0, d)", "sys.path[:0] = [d]", "sys.path += [d]", "sys.path = [d]", "site.addsitedir(d)"):
+    for bad in ("sys.path.insert(0, d)", "sys.path[:0] = [d]", "sys.path += [d]", "sys.path = [d]",
+                "site.addsitedir(d)"):
         assert SYS_PATH_EDIT.search(bad), bad
 
 
@@ -146,7 +148,8 @@ def test_serve_fresh_process_sections(tmp_path):
     out = tmp_path / "serve.md"
     env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
     proc = subprocess.run([sys.executable, "-m", "bench.serve.serve", "--smoke", "--sections", "startup,flags,verify",
-                           "--flag-variants", ";--xla_no_such_flag=1", "--decode-batches", "1", "--decode-reps", "1", "--spec-steps", "1",
+                           "--flag-variants", ";--xla_no_such_flag=1", "--decode-batches", "1", "--decode-reps", "1",
+                           "--spec-steps", "1",
                            "--out", str(out)],
                           cwd=ROOT, capture_output=True, text=True, timeout=600, env=dict(env, JAX_PLATFORMS="cpu"))
     assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-3000:]

@@ -200,7 +200,8 @@ def test_oversize_batch_is_a_clear_error(trunk_params):
     engine = make_engine(trunk_params)
     shape = StepShape("decode", 2, 2, 1, 16)
     batch = engine.runner.empty_batch(StepShape("decode", 4, 4, 1, 16))
-    with pytest.raises(ValueError, match=r"StepBatch.layout.tokens has shape \(4,\); the compiled decode bucket takes \(2,\)"):
+    with pytest.raises(ValueError,
+                       match=r"StepBatch.layout.tokens has shape \(4,\); the compiled decode bucket takes \(2,\)"):
         check_batch(batch, shape, max_stop_ids=engine.config.max_stop_ids)
 
 

@@ -496,7 +496,8 @@ def test_fallback_returns_reference(monkeypatch):
 # ---------------------------------------------------------------------- GPU lowering
 
 
-@pytest.mark.skipif(has_cuda_device(), reason="abstract CUDA lowering is for machines without a GPU; the compiled tests cover a GPU")
+@pytest.mark.skipif(has_cuda_device(),
+                    reason="abstract CUDA lowering is for machines without a GPU; the compiled tests cover a GPU")
 def test_kernels_lower_for_gpu(verify_triton_modules):
     """The kernels pass the Triton lowering (power-of-two blocks, supported ops) for CUDA,
     at the bench config's layout; this runs on CPU (it compiles nothing)."""

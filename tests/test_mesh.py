@@ -91,7 +91,8 @@ def test_plan_errors_name_the_field():
     with pytest.raises(ValueError, match=r"n_routed_experts=8 is not divisible by ep=3"):
         par.ShardPlan(tiny, tp=1, ep=3)
     with pytest.raises(ValueError, match=r"vocab_size=264 is not divisible by tp=16"):
-        par.ShardPlan(tiny.replace(num_heads=16, swa_num_heads=16, swa_num_kv_heads=4, dense_intermediate_size=256), tp=16)
+        par.ShardPlan(tiny.replace(num_heads=16, swa_num_heads=16, swa_num_kv_heads=4, dense_intermediate_size=256),
+                      tp=16)
     with pytest.raises(ValueError, match=r"swa_num_kv_heads=3 is not divisible by tp=2"):
         par.ShardPlan(tiny.replace(swa_num_heads=6, swa_num_kv_heads=3), tp=2)
     with pytest.raises(ValueError, match=r"num_kv_heads=3 is fewer than tp=4 but does not divide it"):
@@ -183,12 +184,14 @@ def test_planner_arena_is_the_local_layout():
         mem = plan_memory(cfg, jnp.bfloat16, {"tp": tp}, pool)
         assert mem.arena == (11 * lay.slot_units + 21 * lay.page_units) * lay.unit_elems * 2
     # the K/V page unit follows the local kv heads: tp=2 halves it
-    assert ArenaLayout.build(par.ShardPlan(cfg, tp=2).local_cfg, 4).unit_elems * 2 == ArenaLayout.build(cfg, 4).unit_elems
+    local = ArenaLayout.build(par.ShardPlan(cfg, tp=2).local_cfg, 4)
+    assert local.unit_elems * 2 == ArenaLayout.build(cfg, 4).unit_elems
 
 
 def test_planner_real_inkling_on_8_h200():
     cfg = ik.InklingConfig.inkling()
-    count = sum(math.prod(s) for s in jax.tree_util.tree_leaves(param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple)))
+    shapes = jax.tree_util.tree_leaves(param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple))
+    count = sum(math.prod(s) for s in shapes)
     assert 9.0e11 < count < 1.0e12, count
     pool = PoolSizes(num_slots=64, num_pages=2048, page_size=16, max_running=16, chunk_size=64, max_step_tokens=512)
     device = int(SERVING_MEM_FRACTION * H200_BYTES)

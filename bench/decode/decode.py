@@ -43,11 +43,12 @@ compiles), bench.decode.runs (step runs, roofline, comparisons) and bench.decode
    implementations, then the eager per-expert loop) with the same weights, built in memory by
    `inkling_jax.hf_transformers.causal_lm` (the mapping the parity tests check; fp32 where
    `from_pretrained` keeps fp32; every weight is bf16-exact so nothing is rounded
-   differently; the smoke run checks it against save_pretrained -> from_pretrained). Correctness: bf16 runs of a random MoE model diverge after near-ties
-   (a flipped expert choice moves the hidden state a lot), so both ours and HF's greedy
-   tokens are scored against an fp32 oracle (HF in float32, teacher-forced on each one's own
-   tokens): picks equal to the oracle's argmax, the worst gap, |log p - oracle log p|; plus
-   plain token agreement. Speed: greedy `generate` at batch 1 and 8 from the prompts of
+   differently; the smoke run checks it against save_pretrained -> from_pretrained).
+   Correctness: bf16 runs of a random MoE model diverge after near-ties (a flipped expert
+   choice moves the hidden state a lot), so both ours and HF's greedy tokens are scored
+   against an fp32 oracle (HF in float32, teacher-forced on each one's own tokens): picks
+   equal to the oracle's argmax, the worst gap, |log p - oracle log p|; plus plain token
+   agreement. Speed: greedy `generate` at batch 1 and 8 from the prompts of
    section 4; HF ms/step = (time(generate N) - time(generate 1)) / (N - 1); ours from section
    5 (steady-state step) and section 4 (host loop). A failure here prints a message and
    keeps the tables above.

@@ -59,7 +59,7 @@ def main(argv=None) -> int:
     ap.add_argument("--policy", default="lru", choices=sorted(EVICT_POLICIES))
     ap.add_argument("--victims", type=int, default=200, help="victims timed per tree")
     args = ap.parse_args(argv)
-    print(f"| cached prefixes | policy | heap us / victim | scan us / victim | scan / heap | same victims |")
+    print("| cached prefixes | policy | heap us / victim | scan us / victim | scan / heap | same victims |")
     print("|---|---|---|---|---|---|")
     for n in [int(x) for x in args.prefixes.split(",")]:
         heap_us, heap_freed = time_evictions(filled(PrefixTree, n, args.policy), args.victims)

@@ -74,7 +74,8 @@ def _tiles(s: Setup, name, f, ch, b, q, rng, default) -> list[tuple[str, int, in
 def sweep(s: Setup, rng, compare_module: str = "", grid: bool = True) -> list[tuple[str, int, int, Row]]:
     """The conv_update kernel's (block, num_warps) choices and extend token tiles on
     SWEEP_CASES; with compare_module (a module with conv_update's signature importable from the
-    repository root, e.g. an earlier pallas_kernels/conv_state/pallas.py copied into pallas_kernels/) also its default plan."""
+    repository root, e.g. an earlier pallas_kernels/conv_state/pallas.py copied into pallas_kernels/) also its
+    default plan."""
     out = []
     for prefix, b, q in SWEEP_CASES:
         match = next(((nm, v) for nm, v in s.streams.items() if nm.startswith(prefix)), None)
@@ -108,7 +109,8 @@ def moe_sweep(s: Setup, rng, n: int = 1) -> list[tuple[str, Row]]:
         for bh in (32, 64, 128):
             for warps in (2, 4, 8):
                 kw = dict(tf=tf, bh=bh, num_warps=warps, interpret=s.interpret)
-                label = f"gate|up, m={m}, tf={tf} bh={bh} warps={warps} grid={moe_pallas.grid_for(m, h, two_f, tf=tf, bh=bh)}"
+                grid = moe_pallas.grid_for(m, h, two_f, tf=tf, bh=bh)
+                label = f"gate|up, m={m}, tf={tf} bh={bh} warps={warps} grid={grid}"
                 try:
                     got = jax.jit(lambda x_: moe_pallas.grouped_matvec(x_, idx, w13, **kw))(x)
                     err = float(rel_err(got, want))

@@ -77,7 +77,8 @@ def main(argv=None) -> None:
     print(f"unprofiled: {plain_ms:.3f} ms per {unit} (the same decode without the profiler, which runs XLA's "
           f"command buffers op by op: see bench/README.md)")
     events = sorted(device_events(tdir), key=lambda e: e.start_ns)
-    print(f"{jax.devices()[0].device_kind}, B={args.batch}, K={engine.runner.decode_steps}, spec_steps={args.spec_steps}, overlap={engine.runner.overlap}: "
+    print(f"{jax.devices()[0].device_kind}, B={args.batch}, K={engine.runner.decode_steps}, "
+          f"spec_steps={args.spec_steps}, overlap={engine.runner.overlap}: "
           f"{len(step_ms)} dispatches, "
           f"{tokens} {unit}s, wall {wall * 1e3:.1f} ms = {wall * 1e3 / max(tokens, 1):.3f} ms per {unit}; "
           f"step() calls median {statistics.median(step_ms):.2f} ms")
@@ -102,7 +103,8 @@ def main(argv=None) -> None:
           f"of the wall); {len(events)} kernels = {len(events) / max(tokens, 1):.0f} per {unit}")
     if gaps:
         print(f"gaps > {args.gap_us:.0f} us: {len(gaps)} ({len(gaps) / len(step_ms):.1f} per dispatch), total "
-              f"{sum(gaps):.1f} ms = {sum(gaps) / max(tokens, 1):.3f} ms per {unit}, median {statistics.median(gaps):.3f}"
+              f"{sum(gaps):.1f} ms = {sum(gaps) / max(tokens, 1):.3f} ms per {unit}, "
+              f"median {statistics.median(gaps):.3f}"
               f" ms, max {max(gaps):.3f} ms")
     if around:  # what the device waited between: the host's work, a sync, a transfer
         print("gaps by the kernels around them (count, total ms, median ms: before -> after):")

@@ -150,7 +150,8 @@ def section_startup(args, report: Report) -> None:
         runs = [("cold", cache, []), ("warm", cache, [])]
         if args.startup_jnp:  # the same with the jnp kernels, in a cache of their own
             jnp_cache = os.path.join(outdir, "jnp-cache")
-            runs += [("cold, jnp kernels", jnp_cache, ["--startup-jnp"]), ("warm, jnp kernels", jnp_cache, ["--startup-jnp"])]
+            runs += [("cold, jnp kernels", jnp_cache, ["--startup-jnp"]),
+                     ("warm, jnp kernels", jnp_cache, ["--startup-jnp"])]
         for run_name, cache, extra in runs:
             out = os.path.join(outdir, f"{run_name}.json")
             entries = cache_entries(cache)

@@ -219,7 +219,8 @@ def section_prefill(args, cfg, params, report: Report) -> None:
         del engine
     report.add(f"### Prefill in the engine loop (issue 17: >= {100 * TARGET:.0f} % of {args.peak_tflops:g} TFLOP/s "
                f"bf16 peak; max_new_tokens=1, prefix cache off, median of {args.prefill_reps})\n\n"
-               + table(["case", "kernels", "tokens / extend step", "chunk size", "extend steps", "ms submit -> last first token",
+               + table(["case", "kernels", "tokens / extend step", "chunk size", "extend steps",
+                        "ms submit -> last first token",
                         "tok/s", "model MFLOP/token", "TFLOP/s", "% of peak", "target", "met", "compiles"], rows)
                + "\n\nModel FLOPs: useful trunk forward work per prompt token (2 x active matmul params with "
                "top-k routed experts only, the relative-bias product, causal attention averaged over the prompt, "

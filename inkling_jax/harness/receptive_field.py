@@ -35,7 +35,8 @@ class ConvReport:
     min_inside: float  # min over expected dependences of |derivative| (> 0)
     jvp_matches_vjp: bool  # the dependence patterns found forward and reverse agree
     input_labels: list[str] = field(repr=False)
-    expected: np.ndarray = field(repr=False)  # [inputs, outputs] bool (outputs: active windows, then checkpoint windows)
+    # [inputs, outputs] bool (outputs: active windows, then checkpoint windows)
+    expected: np.ndarray = field(repr=False)
     jvp_dependence: np.ndarray = field(repr=False)  # [inputs, outputs] max |d window / d input|
     vjp_dependence: np.ndarray = field(repr=False)
     output_labels: list[str] = field(repr=False)

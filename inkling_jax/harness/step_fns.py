@@ -95,4 +95,5 @@ def extend_embeddings(params: Params, batch: StepBatch) -> tuple[jax.Array, Step
     tokens = np.asarray(batch.layout.tokens)
     v = params["embed"].shape[0]
     ext_rows = jnp.asarray(params["embed"])[jnp.asarray(tokens)]
-    return ext_rows, dc_replace(batch, layout=dc_replace(batch.layout, tokens=np.arange(v, v + len(tokens), dtype=np.int32)))
+    layout = dc_replace(batch.layout, tokens=np.arange(v, v + len(tokens), dtype=np.int32))
+    return ext_rows, dc_replace(batch, layout=layout)

@@ -71,7 +71,8 @@ class ShardPlan:
                                  f"one), got {tuple(self.mesh.axis_names)}")
             for name, given in ((TP_AXIS, tp), (EP_AXIS, ep)):
                 if given is not None and given != shape[name]:
-                    raise ValueError(f"ShardPlan: {name}={given} disagrees with the mesh's {name} axis of {shape[name]}")
+                    raise ValueError(f"ShardPlan: {name}={given} disagrees with the mesh's {name} axis "
+                                     f"of {shape[name]}")
             tp, ep = shape[TP_AXIS], shape[EP_AXIS]
         tp, ep = (1 if tp is None else tp), (1 if ep is None else ep)
         for name, value in (("tp", tp), ("ep", ep)):
@@ -288,7 +289,8 @@ def _leaf_layouts(cfg: InklingConfig, tp: int, ep: int) -> Params:
     def mlp(dense: bool, shapes: dict[str, tuple[int, ...]]) -> dict[str, LeafLayout]:
         if dense:
             i = cfg.dense_intermediate_size
-            out = {"w13": LeafLayout((h, 2 * i), (None, gate_up(i))), "w2": LeafLayout((i, h), (even(TP_AXIS, tp, i), None))}
+            out = {"w13": LeafLayout((h, 2 * i), (None, gate_up(i))),
+                   "w2": LeafLayout((i, h), (even(TP_AXIS, tp, i), None))}
             if cfg.use_global_scale:
                 out["global_scale"] = rep((1,))
             return out

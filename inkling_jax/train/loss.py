@@ -62,7 +62,7 @@ def head_logits(params: Params, cfg: InklingConfig, window: Int[Array, "b w"]
 
 
 def window_losses(params: Params, cfg: InklingConfig, window: Int[Array, "b w"]
-                  ) -> tuple[Float[Array, ""], Float[Array, "d"]]:
+                  ) -> tuple[Float[Array, ""], Float[Array, " d"]]:
     """(trunk loss, MTP loss per depth [D]) on windows of T + 1 + D tokens."""
     depths = cfg.num_mtp_layers
     t = window.shape[1] - 1 - depths

@@ -1,4 +1,5 @@
-"""Checkpoint I/O (names.py, safetensors_io.py, orbax_io.py): safetensors in the hub naming and the HF transformers naming, and orbax.
+"""Checkpoint I/O (names.py, safetensors_io.py, orbax_io.py): safetensors in the hub naming and the HF
+transformers naming, and orbax.
 
 Hub naming (what HF `InklingForConditionalGeneration.save_pretrained` writes, and sglang
 reads): `model.llm.embed.weight`, `model.llm.layers.N.attn.wq_du.weight`, fused and

@@ -76,7 +76,8 @@ def _linear(path, name, in_dim, out_dim) -> Entry:  # param [in, out] <-> torch 
                  lambda idx, fetch: fetch(name, (idx[1], idx[0])).T, lambda x: [_t(x)])
 
 
-def _batched_linear(path, name, lead: tuple[int, ...], in_dim, out_dim) -> Entry:  # [*lead, in, out] <-> [*lead, out, in]
+def _batched_linear(path, name, lead: tuple[int, ...], in_dim, out_dim) -> Entry:
+    # [*lead, in, out] <-> [*lead, out, in]
     return Entry(tuple(path), (name,), ((*lead, out_dim, in_dim),), (*lead, in_dim, out_dim),
                  lambda idx, fetch: np.swapaxes(fetch(name, (*idx[:-2], idx[-1], idx[-2])), -1, -2),
                  lambda x: [_t(x)])
@@ -157,8 +158,8 @@ def _layer_entries(cfg: InklingConfig, path: tuple, prefix: str, g: AttentionGeo
         _linear((*path, "attn", "wo"), prefix + a + ("wo_ud.weight" if hub else "o_proj.weight"), g.q_dim, h),
         _simple((*path, "attn", "q_norm"), prefix + a + "q_norm.weight", (g.head_dim,)),
         _simple((*path, "attn", "k_norm"), prefix + a + "k_norm.weight", (g.head_dim,)),
-        _conv((*path, "attn", "k_conv"), prefix + a + ("k_sconv.weight" if hub else "k_sconv.conv1d.weight"), k, g.kv_dim),
-        _conv((*path, "attn", "v_conv"), prefix + a + ("v_sconv.weight" if hub else "v_sconv.conv1d.weight"), k, g.kv_dim),
+        *(_conv((*path, "attn", f"{x}_conv"), prefix + a + (f"{x}_sconv.weight" if hub else f"{x}_sconv.conv1d.weight"),
+                k, g.kv_dim) for x in "kv"),
         _simple((*path, "attn", "rel_proj"), prefix + a + "rel_logits_proj.proj", (cfg.d_rel, g.rel_extent)),
     ]
     m = (*path, "mlp")

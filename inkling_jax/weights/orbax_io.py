@@ -96,7 +96,8 @@ def _tree_metadata(meta: Any) -> Any:
 def _relist(tree: Any, like: Any) -> Any:
     """Orbax may restore lists as dicts keyed '0', '1', ...; put the lists back."""
     if isinstance(like, list):
-        items = tree if isinstance(tree, list) else [tree[str(i)] if str(i) in tree else tree[i] for i in range(len(like))]
+        items = tree if isinstance(tree, list) else [tree[str(i)] if str(i) in tree else tree[i]
+                                                     for i in range(len(like))]
         return [_relist(t, l) for t, l in zip(items, like)]
     if isinstance(like, dict):
         return {k: _relist(tree[k], v) for k, v in like.items()}

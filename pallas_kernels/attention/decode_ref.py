@@ -52,7 +52,7 @@ from . import ref
 from .ref import tables
 
 
-def ring_keys(arena: Array, ring_unit_row: Int[Array, "B"], seq_start: Int[Array, "B"], has_state: Bool[Array, "B"],
+def ring_keys(arena: Array, ring_unit_row: Int[Array, " B"], seq_start: Int[Array, " B"], has_state: Bool[Array, " B"],
               *, ring: int, nkv: int, hd: int) -> tuple[Array, Array, Array, Array]:
     """(k, v [B, R, nkv, hd], pos [B, R] int32, valid [B, R] bool): `context._ring_keys`."""
     kv = read_field(arena, ring_unit_row.astype(jnp.int32), (ring, 2, nkv, hd))  # [B, R, 2, nkv, hd]
@@ -63,7 +63,7 @@ def ring_keys(arena: Array, ring_unit_row: Int[Array, "B"], seq_start: Int[Array
     return kv[:, :, 0], kv[:, :, 1], pos, valid
 
 
-def page_keys(arena: Array, page_unit_row: Int[Array, "B P"], seq_start: Int[Array, "B"], *, nkv: int,
+def page_keys(arena: Array, page_unit_row: Int[Array, "B P"], seq_start: Int[Array, " B"], *, nkv: int,
               hd: int) -> tuple[Array, Array, Array, Array]:
     """(k, v [B, P*ps, nkv, hd], pos, valid [B, P*ps]): `context._page_keys` (ps = the tokens
     of one unit)."""
@@ -90,8 +90,8 @@ def attend(q: Float[Array, "B Q H D"], r: Float[Array, "B Q H R"], rel_proj: Flo
 def ring_attention(q: Float[Array, "B Q H D"], r: Float[Array, "B Q H R"], rel_proj: Float[Array, "R E"],
                    tau: Float[Array, "B Q"], k_new: Float[Array, "B Q Hkv D"],
                    v_new: Float[Array, "B Q Hkv D"], q_pos: Int[Array, "B Q"], q_valid: Bool[Array, "B Q"],
-                   arena: Array, ring_unit_row: Int[Array, "B"], seq_start: Int[Array, "B"],
-                   has_state: Bool[Array, "B"], *, ring: int, window: int | None,
+                   arena: Array, ring_unit_row: Int[Array, " B"], seq_start: Int[Array, " B"],
+                   has_state: Bool[Array, " B"], *, ring: int, window: int | None,
                    context: Callable | None = None) -> Float[Array, "B Q H D"]:
     """Sliding layers: the row's ring (read from the arena, or by `context`) plus the new keys.
     See the module docstring."""
@@ -104,7 +104,7 @@ def ring_attention(q: Float[Array, "B Q H D"], r: Float[Array, "B Q H R"], rel_p
 def paged_attention(q: Float[Array, "B Q H D"], r: Float[Array, "B Q H R"], rel_proj: Float[Array, "R E"],
                     tau: Float[Array, "B Q"], k_new: Float[Array, "B Q Hkv D"],
                     v_new: Float[Array, "B Q Hkv D"], q_pos: Int[Array, "B Q"], q_valid: Bool[Array, "B Q"],
-                    arena: Array, page_unit_row: Int[Array, "B P"], seq_start: Int[Array, "B"], *, page_size: int,
+                    arena: Array, page_unit_row: Int[Array, "B P"], seq_start: Int[Array, " B"], *, page_size: int,
                     window: int | None = None, context: Callable | None = None) -> Float[Array, "B Q H D"]:
     """Full layers: the row's pages (read from the arena, or by `context`) plus the new keys.
     `page_size` must be the tokens of one unit (unit_elems == page_size * 2 * nkv * hd); see

@@ -482,7 +482,7 @@ def _update_norm_pallas(plan: ConvPlan, arena, x, weight, rows: PackedRows, acti
 
 def conv_update_residual_norm(arena: Array, x: Float[Array, "t c"], weight: Float[Array, "k c"], rows: PackedRows,
                               active_row: Array, track_row: Array, residual: Float[Array, "t c"],
-                              norm_weight: Float[Array, "c"], *, eps: float, window_shape: tuple[int, int],
+                              norm_weight: Float[Array, " c"], *, eps: float, window_shape: tuple[int, int],
                               channels: tuple[int, int], sink_rows: int = 0, interpret: bool = False,
                               num_warps: int | None = None
                               ) -> tuple[Float[Array, "t c"], Float[Array, "t c"], Array]:

@@ -44,11 +44,11 @@ class PackedRows:
 
     Shapes: T packed tokens, B rows, Q the most new tokens of one row, M checkpoints per row."""
 
-    token_row: Int[Array, "t"]  # request row of each packed token
-    token_offset: Int[Array, "t"]  # index of the token among its row's new tokens
+    token_row: Int[Array, " t"]  # request row of each packed token
+    token_offset: Int[Array, " t"]  # index of the token among its row's new tokens
     row_tokens: Int[Array, "b q"]  # packed index of each row's i-th new token (clipped in range)
-    has_state: Bool[Array, "b"]  # the row's state holds the window before its first new token
-    commit_len: Int[Array, "b"]  # new tokens that enter the active window (0: leave it)
+    has_state: Bool[Array, " b"]  # the row's state holds the window before its first new token
+    commit_len: Int[Array, " b"]  # new tokens that enter the active window (0: leave it)
     track_len: Int[Array, "b m"]  # new tokens before each checkpoint position
 
 
@@ -78,7 +78,7 @@ def conv_tokens(x: Float[Array, "t c"], weight: Float[Array, "k c"], window: Flo
 
 
 def window_after(x: Float[Array, "t c"], window: Float[Array, "b km1 c"], rows: PackedRows,
-                 n: Int[Array, "b"]) -> Float[Array, "b km1 c"]:
+                 n: Int[Array, " b"]) -> Float[Array, "b km1 c"]:
     """The last K-1 inputs of [window ++ first n new tokens] for every row."""
     km1 = window.shape[1]
     xpad = padded_inputs(x, window, rows)
@@ -86,14 +86,14 @@ def window_after(x: Float[Array, "t c"], window: Float[Array, "b km1 c"], rows: 
     return jnp.take_along_axis(xpad, idx[:, :, None], axis=1).astype(window.dtype)
 
 
-def read_window(arena: Array, first_rows: Int[Array, "b"], window_shape: tuple[int, int],
+def read_window(arena: Array, first_rows: Int[Array, " b"], window_shape: tuple[int, int],
                 channels: tuple[int, int]) -> Array:
     """[B, K-1, c1 - c0]: one stream's windows from the fields starting at first_rows."""
     return read_field(arena, first_rows, window_shape)[..., channels[0]:channels[1]]
 
 
 def conv_write(arena: Array, x: Float[Array, "t c"], window: Float[Array, "b km1 c"], rows: PackedRows,
-               active_row: Int[Array, "b"], track_row: Int[Array, "b m"], *, window_shape: tuple[int, int],
+               active_row: Int[Array, " b"], track_row: Int[Array, "b m"], *, window_shape: tuple[int, int],
                channels: tuple[int, int], sink_rows: int = 0) -> Array:
     """Write the active and checkpoint windows of one stream into its channel range (the
     sink's fields too: `sink_rows` only tells the kernels what they may skip)."""
@@ -113,7 +113,7 @@ def conv_write(arena: Array, x: Float[Array, "t c"], window: Float[Array, "b km1
 
 
 def conv_update(arena: Array, x: Float[Array, "t c"], weight: Float[Array, "k c"], rows: PackedRows,
-                active_row: Int[Array, "b"], track_row: Int[Array, "b m"], *, window_shape: tuple[int, int],
+                active_row: Int[Array, " b"], track_row: Int[Array, "b m"], *, window_shape: tuple[int, int],
                 channels: tuple[int, int], sink_rows: int = 0) -> tuple[Float[Array, "t c"], Array]:
     """Fused conv + state write for one stream (extend and decode): returns (y, arena)."""
     window = read_window(arena, active_row, window_shape, channels)
@@ -122,7 +122,7 @@ def conv_update(arena: Array, x: Float[Array, "t c"], weight: Float[Array, "k c"
                          channels=channels, sink_rows=sink_rows)
 
 
-def residual_norm(y: Float[Array, "t c"], residual: Float[Array, "t c"], norm_weight: Float[Array, "c"],
+def residual_norm(y: Float[Array, "t c"], residual: Float[Array, "t c"], norm_weight: Float[Array, " c"],
                   eps: float) -> tuple[Float[Array, "t c"], Float[Array, "t c"]]:
     """(residual + y, rms_norm(residual + y)): y rounded to residual's dtype first, the add in
     that dtype (as `x + conv(a)` in the decoder layer, where both have the activation dtype)."""
@@ -131,8 +131,8 @@ def residual_norm(y: Float[Array, "t c"], residual: Float[Array, "t c"], norm_we
 
 
 def conv_update_residual_norm(arena: Array, x: Float[Array, "t c"], weight: Float[Array, "k c"], rows: PackedRows,
-                              active_row: Int[Array, "b"], track_row: Int[Array, "b m"],
-                              residual: Float[Array, "t c"], norm_weight: Float[Array, "c"], *, eps: float,
+                              active_row: Int[Array, " b"], track_row: Int[Array, "b m"],
+                              residual: Float[Array, "t c"], norm_weight: Float[Array, " c"], *, eps: float,
                               window_shape: tuple[int, int], channels: tuple[int, int], sink_rows: int = 0
                               ) -> tuple[Float[Array, "t c"], Float[Array, "t c"], Array]:
     """`conv_update`, then the residual add and the RMSNorm of the sum: returns

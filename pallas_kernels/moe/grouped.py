@@ -64,9 +64,9 @@ MIN_TILE = 16  # bn' or bk' below this (a dimension with a small power-of-two fa
 class Dispatch:
     """The m = n * k choices sorted by expert into blocks of bm rows (module docstring)."""
 
-    block_expert: Int[Array, "nb"]  # expert of each block of bm padded rows; -1: unused block
-    row_of_choice: Int[Array, "m"]  # padded row of choice t * k + j
-    choice_of_row: Int[Array, "p"]  # token feeding each padded row (n: a padding row)
+    block_expert: Int[Array, " nb"]  # expert of each block of bm padded rows; -1: unused block
+    row_of_choice: Int[Array, " m"]  # padded row of choice t * k + j
+    choice_of_row: Int[Array, " p"]  # token feeding each padded row (n: a padding row)
 
 
 def num_blocks(m: int, num_experts: int, bm: int) -> int:
@@ -144,7 +144,7 @@ def _grouped(x, block_expert, w, *, swiglu: bool, out_dtype, bm: int, bn: int, b
                        name="moe_grouped_swiglu" if swiglu else "moe_grouped_matmul")(block_expert, x, w)
 
 
-def grouped_swiglu(x: Float[Array, "p h"], block_expert: Int[Array, "nb"], w13: Float[Array, "E h two_f"], *,
+def grouped_swiglu(x: Float[Array, "p h"], block_expert: Int[Array, " nb"], w13: Float[Array, "E h two_f"], *,
                    bm: int = BM, bn: int = BN, bk: int = BK, num_warps: int = NUM_WARPS,
                    num_stages: int = NUM_STAGES, interpret: bool = False) -> Float[Array, "p f"]:
     """act[r] = silu(x[r] @ gate) * (x[r] @ up), gate | up = w13[e] of r's block, in x's dtype
@@ -155,7 +155,7 @@ def grouped_swiglu(x: Float[Array, "p h"], block_expert: Int[Array, "nb"], w13: 
                     num_warps=num_warps, num_stages=num_stages, interpret=interpret)
 
 
-def grouped_matmul(x: Float[Array, "p K"], block_expert: Int[Array, "nb"], w: Float[Array, "E K F"], *,
+def grouped_matmul(x: Float[Array, "p K"], block_expert: Int[Array, " nb"], w: Float[Array, "E K F"], *,
                    bm: int = BM, bn: int = BN, bk: int = BK, num_warps: int = NUM_WARPS,
                    num_stages: int = NUM_STAGES, interpret: bool = False) -> Float[Array, "p F"]:
     """y[r] = x[r] @ w[e] for e the expert of r's block, fp32 accumulation, rounded to x's

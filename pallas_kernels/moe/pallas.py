@@ -238,7 +238,7 @@ def _grouped_matvec_fwd(x, idx, w, *, x_repeat: int = 1, tf: int, bh: int, split
     return part[:, 0] if s == 1 else jnp.sum(part, axis=1)
 
 
-def grouped_matvec(x: Float[Array, "mx h"], idx: Int[Array, "m"], w: Float[Array, "E h F"], *, x_repeat: int = 1,
+def grouped_matvec(x: Float[Array, "mx h"], idx: Int[Array, " m"], w: Float[Array, "E h F"], *, x_repeat: int = 1,
                    tf: int = TF, bh: int = BH, splits: int | None = None, num_warps: int = NUM_WARPS,
                    target_programs: int = TARGET_PROGRAMS, interpret: bool = False) -> Float[Array, "m F"]:
     """y[i] = x[i // x_repeat] @ w[clip(idx[i], 0, E - 1)].astype(x.dtype), accumulated and

@@ -37,7 +37,7 @@ from jaxtyping import Array, Float, Int
 from .._common import matmul, pad_lone_row
 
 
-def grouped_matvec(x: Float[Array, "mx h"], idx: Int[Array, "m"], w: Float[Array, "E h F"],
+def grouped_matvec(x: Float[Array, "mx h"], idx: Int[Array, " m"], w: Float[Array, "E h F"],
                    x_repeat: int = 1) -> Float[Array, "m F"]:
     """y[i] = x[i // x_repeat] @ w[clip(idx[i], 0, E - 1)] in x's dtype with fp32 accumulation
     (repeats x's rows and gathers the experts)."""
@@ -47,7 +47,7 @@ def grouped_matvec(x: Float[Array, "mx h"], idx: Int[Array, "m"], w: Float[Array
     return jnp.einsum("mh,mhf->mf", x, w[ids].astype(x.dtype), preferred_element_type=jnp.float32)
 
 
-def grouped_matvec_extra(x: Float[Array, "mx h"], idx: Int[Array, "nk"], w: Float[Array, "E h F"],
+def grouped_matvec_extra(x: Float[Array, "mx h"], idx: Int[Array, " nk"], w: Float[Array, "E h F"],
                          w_extra: Float[Array, "S h F"], x_repeat: int, group: int) -> Float[Array, "m F"]:
     """Rows of `group` = k + S per token (m = n * group = mx * x_repeat, idx [n * k]): row
     t * group + q is x_rows[t * group + q] @ w[clip(idx[t * k + q], 0, E - 1)] for q < k and

@@ -92,7 +92,7 @@ def default_num_warps(block_rows: int, width: int) -> int:
     return 1 if elems <= 512 else 2 if elems < 2048 else 4
 
 
-def router_epilogue_ref(logits: Float[Array, "n w"], bias: Float[Array, "e"] | None, scale: Float[Array, "1"] | None,
+def router_epilogue_ref(logits: Float[Array, "n w"], bias: Float[Array, " e"] | None, scale: Float[Array, "1"] | None,
                         *, k: int, route_scale: float, num_experts: int | None = None, gate: str = "sigmoid",
                         norm_after_topk: bool = True
                         ) -> tuple[Int[Array, "n k"], Float[Array, "n k"], Float[Array, "n s"]]:
@@ -198,7 +198,7 @@ def _kernel(*refs, n: int, e: int, s: int, k: int, route_scale: float, br: int, 
         plt.store(gamma_ref.at[rows, pl.ds(0, sp)], g_tile, mask=mask)
 
 
-def router_epilogue(logits: Float[Array, "n w"], bias: Float[Array, "e"] | None, scale: Float[Array, "1"] | None,
+def router_epilogue(logits: Float[Array, "n w"], bias: Float[Array, " e"] | None, scale: Float[Array, "1"] | None,
                     *, k: int, route_scale: float, num_experts: int | None = None, interpret: bool = False,
                     block_rows: int | None = None, num_warps: int | None = None
                     ) -> tuple[Int[Array, "n k"], Float[Array, "n k"], Float[Array, "n s"]]:

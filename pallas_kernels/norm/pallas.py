@@ -87,8 +87,8 @@ def _qk_norm_pallas(q, kv, q_weight, k_weight, nh: int, nkv: int, hd: int, eps: 
     return qn.reshape(t, nh, hd), kn.reshape(t, nkv, hd)
 
 
-def qk_norm(q: Float[Array, "t wq"], kv: Float[Array, "t wk"], q_weight: Float[Array, "hd"],
-            k_weight: Float[Array, "hd"], *, num_heads: int, num_kv_heads: int, head_dim: int, eps: float,
+def qk_norm(q: Float[Array, "t wq"], kv: Float[Array, "t wk"], q_weight: Float[Array, " hd"],
+            k_weight: Float[Array, " hd"], *, num_heads: int, num_kv_heads: int, head_dim: int, eps: float,
             interpret: bool = False, num_warps: int | None = None
             ) -> tuple[Float[Array, "t nh hd"], Float[Array, "t nkv hd"]]:
     """(q_normed [T, nh, hd], k_normed [T, nkv, hd]): `ref.qk_norm` in one Pallas launch, one

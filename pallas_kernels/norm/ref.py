@@ -23,8 +23,8 @@ from jaxtyping import Array, Float
 from .._common import rms_norm
 
 
-def qk_norm(q: Float[Array, "t wq"], kv: Float[Array, "t wk"], q_weight: Float[Array, "hd"],
-            k_weight: Float[Array, "hd"], *, num_heads: int, num_kv_heads: int, head_dim: int, eps: float
+def qk_norm(q: Float[Array, "t wq"], kv: Float[Array, "t wk"], q_weight: Float[Array, " hd"],
+            k_weight: Float[Array, " hd"], *, num_heads: int, num_kv_heads: int, head_dim: int, eps: float
             ) -> tuple[Float[Array, "t nh hd"], Float[Array, "t nkv hd"]]:
     """(rms_norm of q's nh heads, rms_norm of kv's first nkv heads): see the module docstring."""
     t = q.shape[0]

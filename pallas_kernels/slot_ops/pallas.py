@@ -72,7 +72,7 @@ def _copy_pallas(arena, src_rows, dst_rows, num_units: int, sink_rows: int, tile
     return out.reshape(arena.shape)
 
 
-def copy_units(arena: Array, src_rows: Int[Array, "m"], dst_rows: Int[Array, "m"], *, num_units: int = 1,
+def copy_units(arena: Array, src_rows: Int[Array, " m"], dst_rows: Int[Array, " m"], *, num_units: int = 1,
                sink_rows: int = 0, interpret: bool = False) -> Array:
     """`ref.copy_units`: runs of `num_units` units src -> dst; pairs aimed at the sink are inert."""
     tile = _tile(arena.shape)
@@ -108,7 +108,7 @@ def _clear_pallas(arena, dst_rows, num_units: int, sink_rows: int, tile: int, in
     return out.reshape(arena.shape)
 
 
-def clear_units(arena: Array, dst_rows: Int[Array, "m"], *, num_units: int = 1, sink_rows: int = 0,
+def clear_units(arena: Array, dst_rows: Int[Array, " m"], *, num_units: int = 1, sink_rows: int = 0,
                 interpret: bool = False) -> Array:
     """`ref.clear_units`: zero runs of `num_units` units; runs in the sink are inert."""
     tile = _tile(arena.shape)

@@ -30,7 +30,7 @@ def unit_rows(first_rows: Int[Array, "..."], num_units: int) -> Int[Array, "... 
     return first_rows[..., None] + jnp.arange(num_units, dtype=jnp.int32)
 
 
-def read_field(arena: Array, first_rows: Int[Array, "b"], shape: tuple[int, ...]) -> Array:
+def read_field(arena: Array, first_rows: Int[Array, " b"], shape: tuple[int, ...]) -> Array:
     """[B, *shape]: the field of `shape` stored from each of B first rows."""
     b, e = first_rows.shape[0], arena.shape[1]
     n = field_units(shape, e)
@@ -38,7 +38,7 @@ def read_field(arena: Array, first_rows: Int[Array, "b"], shape: tuple[int, ...]
     return flat[:, :math.prod(shape)].reshape(b, *shape)
 
 
-def write_field(arena: Array, first_rows: Int[Array, "b"], values: Array) -> Array:
+def write_field(arena: Array, first_rows: Int[Array, " b"], values: Array) -> Array:
     """Store values [B, *shape] as fields from B first rows (padding elements become zero)."""
     b, e = first_rows.shape[0], arena.shape[1]
     elems = math.prod(values.shape[1:])
@@ -49,7 +49,7 @@ def write_field(arena: Array, first_rows: Int[Array, "b"], values: Array) -> Arr
     return arena.at[unit_rows(first_rows, n)].set(flat.reshape(b, n, e))
 
 
-def copy_units(arena: Array, src_rows: Int[Array, "m"], dst_rows: Int[Array, "m"], *, num_units: int = 1,
+def copy_units(arena: Array, src_rows: Int[Array, " m"], dst_rows: Int[Array, " m"], *, num_units: int = 1,
                sink_rows: int = 0) -> Array:
     """arena[dst + i] = arena[src + i] for i < num_units, every pair at once (all sources are
     read before any write). Destination runs must be pairwise disjoint (sink pairs aside)."""
@@ -57,7 +57,7 @@ def copy_units(arena: Array, src_rows: Int[Array, "m"], dst_rows: Int[Array, "m"
     return arena.at[unit_rows(dst_rows, num_units)].set(arena[unit_rows(src_rows, num_units)])
 
 
-def clear_units(arena: Array, dst_rows: Int[Array, "m"], *, num_units: int = 1, sink_rows: int = 0) -> Array:
+def clear_units(arena: Array, dst_rows: Int[Array, " m"], *, num_units: int = 1, sink_rows: int = 0) -> Array:
     """Zero runs of `num_units` units starting at dst_rows."""
     del sink_rows
     rows = unit_rows(dst_rows, num_units)
