@@ -254,10 +254,10 @@ def test_on_mesh_pallas_kernels_and_repeated_kv_heads():
 
 @on_mesh
 def test_on_mesh_lone_row_takes_the_expert_kernel(monkeypatch):
-    """tp 2 x ep 2 (per shard 4 of the 8 experts, 16 wide): a batch-1 step's routed experts
-    (n * k = 2 <= E_local / 2) take the few-token Pallas kernel (interpret mode) under
-    shard_map, the choices held by the other shard at weight 0 on local expert 0; greedy tokens
-    equal the single-device jnp engine's, log-probs within 1e-5."""
+    """tp 2 x ep 2 (per shard 8 of 16 experts, 16 wide): a batch-1 step's routed experts
+    (n * k = 2 <= E_local / 3, the few-token kernel's bound) take the few-token Pallas kernel
+    (interpret mode) under shard_map, the choices held by the other shard at weight 0 on local
+    expert 0; greedy tokens equal the single-device jnp engine's, log-probs within 1e-5."""
     from pallas_kernels.moe import pallas as moe_pallas
 
     import pallas_kernels as pk
@@ -272,15 +272,17 @@ def test_on_mesh_lone_row_takes_the_expert_kernel(monkeypatch):
     monkeypatch.setattr(moe_pallas, "moe_experts", spy)
     pk._pallas_ops.cache_clear()
     try:
-        kw = dict(max_running=1, min_batch_bucket=1)
+        cfg = ik.InklingConfig.tiny(n_routed_experts=16)  # (CFG's 8: 4 a shard, 2 > 4 / 3 choices go dense)
+        params = ik.init_params(cfg, jax.random.key(0), std=0.1)
+        kw = dict(KW, max_running=1, min_batch_bucket=1)
         sampling = ik.SamplingParams(max_new_tokens=4, stop_at_eos=False)
-        want = _engine(**kw).generate([PROMPTS[0]], sampling)
-        got = _engine(ik.make_mesh(tp=2, ep=2), use_pallas=True, pallas_interpret=True, **kw).generate(
-            [PROMPTS[0]], sampling)
+        want = ik.Engine(cfg, params, ik.EngineConfig(**kw)).generate([PROMPTS[0]], sampling)
+        got = ik.Engine(cfg, params, ik.EngineConfig(**kw, use_pallas=True, pallas_interpret=True),
+                        mesh=ik.make_mesh(tp=2, ep=2)).generate([PROMPTS[0]], sampling)
     finally:
         monkeypatch.undo()
         pk._pallas_ops.cache_clear()
-    assert (1, CFG.hidden_size) in calls
+    assert (1, cfg.hidden_size) in calls
     _assert_same_completions(got, want)
 
 
