@@ -44,7 +44,7 @@ run_part() {  # name, seconds, command...
 
 for part in "$@"; do
     case $part in
-        check) run_part check 240 python -m bench.check.gpu_check --outputs-out "$OUT/check.json" ;;
+        check) run_part check 480 python -m bench.check.gpu_check --outputs-out "$OUT/check.json" ;;
         modes)
             XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_command_buffer_scheduling_mode=SERIALIZE" \
                 run_part modes 240 python -m bench.check.gpu_check --outputs-out "$OUT/check_serialize.json"

@@ -19,7 +19,7 @@ import signal
 import sys
 import threading
 import time
-from collections import Counter, deque
+from collections import deque
 
 import numpy as np
 

@@ -5,7 +5,6 @@ loadable (a subprocess over the fake runner: no XLA program in the child)."""
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal

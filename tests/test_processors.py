@@ -10,7 +10,6 @@ differential fuzz, `test_fuzz_modes.py`.)"""
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 

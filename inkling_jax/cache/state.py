@@ -33,8 +33,8 @@ from .layout import ArenaLayout, Field
 @dataclass
 class ServingState:
     arena: Array
-    slot_v2p: Int[Array, "vs"]
-    page_v2p: Int[Array, "vp"]
+    slot_v2p: Int[Array, " vs"]
+    page_v2p: Int[Array, " vp"]
     counts: Int[Array, "r v"] | None = None
 
     def replace(self, **kw: Any) -> "ServingState":
@@ -71,12 +71,12 @@ def translate_pages(state: ServingState, virtual_page: Int[Array, "..."]) -> Int
 # ------------------------------------------------------------------- slot fields
 
 
-def read_slot_field(arena: Array, layout: ArenaLayout, physical_slot: Int[Array, "b"], f: Field) -> Array:
+def read_slot_field(arena: Array, layout: ArenaLayout, physical_slot: Int[Array, " b"], f: Field) -> Array:
     """[B, *f.shape]: field f of B physical slots."""
     return units.read_field(arena, layout.slot_row(physical_slot, f), f.shape)
 
 
-def write_slot_field(arena: Array, layout: ArenaLayout, physical_slot: Int[Array, "b"], f: Field,
+def write_slot_field(arena: Array, layout: ArenaLayout, physical_slot: Int[Array, " b"], f: Field,
                      values: Array) -> Array:
     """Store values [B, *f.shape] as field f of B physical slots (padding elements zero)."""
     return units.write_field(arena, layout.slot_row(physical_slot, f), values)

@@ -58,7 +58,7 @@ from ..steps import StepOutput, pack_batch
 from ..steps.counts import host_rows
 from .config import EngineConfig, SamplingParams, is_int
 from .interrupts import critical
-from .records import Completion, Request, ScoreResult, Session, StreamDelta
+from .records import Request, ScoreResult, Session, StreamDelta
 from .requests import Requests
 from .runner import DecodeFeed, StepRunner, check_arena_fits, check_arena_fits_per_device
 from .scheduler import HostOutputs, Scheduler, StepPlan

@@ -62,14 +62,14 @@ class StepShape:
 class TokenLayout:
     """The packed tokens and which row each belongs to. T packed tokens, B rows."""
 
-    tokens: Int[Array, "t"]
-    token_row: Int[Array, "t"]  # request row of each packed token (padding: the last row)
-    token_offset: Int[Array, "t"]  # index among the row's new tokens (padding: >= Q + PAD_TOKEN_OFFSET)
-    query_start: Int[Array, "b"]  # packed index of the row's first new token
-    num_new: Int[Array, "b"]  # new tokens this step (0: padded row); verify: 1 + spec_steps
-    seq_start: Int[Array, "b"]  # position of the row's first new token
-    has_state: Bool[Array, "b"]  # the slot holds state for positions < seq_start
-    num_steps: Int[Array, "b"]  # multi-step decode: steps the row runs at most (1 elsewhere; 0: padded row)
+    tokens: Int[Array, " t"]
+    token_row: Int[Array, " t"]  # request row of each packed token (padding: the last row)
+    token_offset: Int[Array, " t"]  # index among the row's new tokens (padding: >= Q + PAD_TOKEN_OFFSET)
+    query_start: Int[Array, " b"]  # packed index of the row's first new token
+    num_new: Int[Array, " b"]  # new tokens this step (0: padded row); verify: 1 + spec_steps
+    seq_start: Int[Array, " b"]  # position of the row's first new token
+    has_state: Bool[Array, " b"]  # the slot holds state for positions < seq_start
+    num_steps: Int[Array, " b"]  # multi-step decode: steps the row runs at most (1 elsewhere; 0: padded row)
 
 
 @jax.tree_util.register_dataclass
@@ -78,12 +78,12 @@ class RowSlots:
     """Where each row's state lives (virtual ids: the step translates them). P page columns,
     M checkpoint columns."""
 
-    virtual_slot: Int[Array, "b"]  # the row's slot (0: padded row -> sink)
+    virtual_slot: Int[Array, " b"]  # the row's slot (0: padded row -> sink)
     virtual_pages: Int[Array, "b p"]  # page ids covering positions [0, P * page_size)
     virtual_track_slot: Int[Array, "b m"]  # checkpoint slots (0: the column is unused)
     track_len: Int[Array, "b m"]  # new tokens before each checkpoint position (0: none); verify: the
     #                               candidate, written only if at least that many tokens commit
-    virtual_cow_slot: Int[Array, "b"]  # slot to restore into `virtual_slot` first (0: none)
+    virtual_cow_slot: Int[Array, " b"]  # slot to restore into `virtual_slot` first (0: none)
 
 
 @jax.tree_util.register_dataclass
@@ -92,8 +92,8 @@ class SpecArrays:
     """Speculative decoding's row inputs (S = spec_steps)."""
 
     lookahead: Int[Array, "b la"]  # known tokens after the row's new ones (t_e, t_e+1, ...), spec only
-    sample_next: Bool[Array, "b"]  # t_e is this step's sample (else lookahead[0]); spec only
-    max_accept: Int[Array, "b"]  # verify: accept at most this many drafts
+    sample_next: Bool[Array, " b"]  # t_e is this step's sample (else lookahead[0]); spec only
+    max_accept: Int[Array, " b"]  # verify: accept at most this many drafts
 
 
 @jax.tree_util.register_dataclass

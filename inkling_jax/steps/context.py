@@ -35,9 +35,9 @@ class RowMeta:
     `rows` (token layout, commit and checkpoint lengths) is handed to the conv kernels as is."""
 
     rows: PackedRows
-    seq_start: Int[Array, "b"]  # position of each row's new-token index 0
-    num_new: Int[Array, "b"]  # valid tokens (queries, K/V writes)
-    physical_slot: Int[Array, "b"]  # the row's slot (the sink for padded rows)
+    seq_start: Int[Array, " b"]  # position of each row's new-token index 0
+    num_new: Int[Array, " b"]  # valid tokens (queries, K/V writes)
+    physical_slot: Int[Array, " b"]  # the row's slot (the sink for padded rows)
     physical_track_slot: Int[Array, "b m"]  # checkpoint slots (the sink for unused columns)
 
 
@@ -296,7 +296,7 @@ class StepContext(L.LayerContext):
         return write_slot_field(arena, lay, meta.physical_slot, f, new)
 
 
-def set_rows(view: Array, unit: Int[Array, "t"], sub: Int[Array, "t"], values: Array, keep: Bool[Array, "t"],
+def set_rows(view: Array, unit: Int[Array, " t"], sub: Int[Array, " t"], values: Array, keep: Bool[Array, " t"],
              after: Array) -> Array:
     """view[unit[i], sub[i]] = values[i] for a [units, rows, elems] view of the arena, every
     index in bounds (masked tokens, keep[i] False, aim at a sink). One token (batch-1 decode)

@@ -53,7 +53,7 @@ def _reset(counts: Array, rows: Array, values: Array) -> Array:
 reset_rows = jax.jit(_reset, donate_argnums=(0,))
 
 
-def add_emitted(counts: Int[Array, "r v"], count_row: Int[Array, "b"], tokens: Int[Array, "b n"],
+def add_emitted(counts: Int[Array, "r v"], count_row: Int[Array, " b"], tokens: Int[Array, "b n"],
                 emitted: Bool[Array, "b n"]) -> Int[Array, "r v"]:
     """Count the tokens a step emitted (`emitted[i, j]`: row i emitted tokens[i, j]) into the
     rows' table rows (inside the step; rows without a count row write nothing)."""

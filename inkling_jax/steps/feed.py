@@ -27,10 +27,10 @@ from jaxtyping import Array, Bool, Int
 
 
 @jax.jit
-def feed_decode(tokens: Int[Array, "b"], num_new: Int[Array, "b"], num_steps: Int[Array, "b"],
-                stop_ids: Int[Array, "b ns"], prev_tokens: Int[Array, "bp k"], prev_ran: Int[Array, "bp"],
-                feed_row: Int[Array, "b"], feed_steps: Int[Array, "b"], prev_ok: Bool[Array, "bp"]
-                ) -> tuple[Int[Array, "b"], Int[Array, "b"], Int[Array, "b"]]:
+def feed_decode(tokens: Int[Array, " b"], num_new: Int[Array, " b"], num_steps: Int[Array, " b"],
+                stop_ids: Int[Array, "b ns"], prev_tokens: Int[Array, "bp k"], prev_ran: Int[Array, " bp"],
+                feed_row: Int[Array, " b"], feed_steps: Int[Array, " b"], prev_ok: Bool[Array, " bp"]
+                ) -> tuple[Int[Array, " b"], Int[Array, " b"], Int[Array, " b"]]:
     """A decode batch's (tokens, num_new, num_steps) with each fed row's token and activity
     from the previous dispatch's device outputs (see the module docstring). Decode batches
     hold one token per row, row i's at packed index i. Rows with feed_row < 0 keep theirs."""

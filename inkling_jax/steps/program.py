@@ -71,26 +71,26 @@ Params = dict[str, Any]
 @jax.tree_util.register_dataclass
 @dataclass
 class StepOutput:
-    tokens: Int[Array, "b"]  # sampled next token of each row (verify: the bonus after the accepted drafts;
+    tokens: Int[Array, " b"]  # sampled next token of each row (verify: the bonus after the accepted drafts;
     #                          a K-step decode: [B, K], one column per step)
-    logprobs: Float[Array, "b"]  # log p(token) under the model (temperature 1, no truncation); [B, K] likewise
-    num_accepted: Int[Array, "b"]  # verify: drafts accepted (they precede `tokens`); K-step decode: steps
+    logprobs: Float[Array, " b"]  # log p(token) under the model (temperature 1, no truncation); [B, K] likewise
+    num_accepted: Int[Array, " b"]  # verify: drafts accepted (they precede `tokens`); K-step decode: steps
     #                                the row ran (its valid columns); else 0
     accepted_logprobs: Float[Array, "b s"]  # verify: log p of each draft (valid for the accepted ones)
     drafts: Int[Array, "b s"]  # spec: the next round's draft tokens (valid when sample_next)
-    row_ok: Bool[Array, "b"]  # the row's logits were finite (`finite_rows`); False: the request fails
+    row_ok: Bool[Array, " b"]  # the row's logits were finite (`finite_rows`); False: the request fails
     #                           (padded rows: ignore)
     top_ids: Int[Array, "b l"]  # the L most likely tokens where `tokens` was chosen (zeros unless a row asks,
     #                             `SamplingArrays.top_logprobs`); K-step decode: [B, K, L]; verify: [B, S+1, L]
     #                             (position i: the token after the i-th draft)
     top_logprobs: Float[Array, "b l"]  # their log-probs under the model, shaped as top_ids
-    prompt_logprobs: Float[Array, "t"]  # scoring extend step: log p of packed token t's known next token (the
+    prompt_logprobs: Float[Array, " t"]  # scoring extend step: log p of packed token t's known next token (the
     #                                     next packed token of its row, or its lookahead[0]); else [0]
     prompt_top_ids: Int[Array, "t l"]  # scoring step: the L most likely next tokens at each packed token
     prompt_top_logprobs: Float[Array, "t l"]
 
 
-def finite_rows(logits: Float[Array, "b ... v"], upto: Int[Array, "b"] | None = None) -> Bool[Array, "b"]:
+def finite_rows(logits: Float[Array, "b ... v"], upto: Int[Array, " b"] | None = None) -> Bool[Array, " b"]:
     """Whether each row's logits are all finite (no NaN, no inf): one fused reduction over
     the logits the step computed anyway. Verify logits [B, S+1, V]: only positions 0..upto[b]
     (the accepted drafts and the bonus) count: the positions after a rejected draft read a

@@ -143,22 +143,22 @@ class SamplingArrays:
     step): B rows, NS stop-id columns, NB logit-bias columns. Padded rows are greedy with no
     stop ids and no processors."""
 
-    temperature: Float[Array, "b"]
-    top_k: Int[Array, "b"]  # 0: off
-    top_p: Float[Array, "b"]  # 1: off
-    seed: Int[Array, "b"]  # per-request sampling seed (keys fold in the position)
+    temperature: Float[Array, " b"]
+    top_k: Int[Array, " b"]  # 0: off
+    top_p: Float[Array, " b"]  # 1: off
+    seed: Int[Array, " b"]  # per-request sampling seed (keys fold in the position)
     stop_ids: Int[Array, "b ns"]  # verify, multi-step decode, min_tokens: the row's stop tokens (-1: none)
-    min_p: Float[Array, "b"]  # 0: off
-    repetition_penalty: Float[Array, "b"]  # 1: off
-    presence_penalty: Float[Array, "b"]  # 0: off
-    frequency_penalty: Float[Array, "b"]  # 0: off
+    min_p: Float[Array, " b"]  # 0: off
+    repetition_penalty: Float[Array, " b"]  # 1: off
+    presence_penalty: Float[Array, " b"]  # 0: off
+    frequency_penalty: Float[Array, " b"]  # 0: off
     bias_ids: Int[Array, "b nb"]  # logit_bias tokens (-1: none)
     bias_values: Float[Array, "b nb"]
-    min_tokens: Int[Array, "b"]  # stop ids are suppressed while out_len < min_tokens
-    out_len: Int[Array, "b"]  # tokens the row generated before this step (verify position i: + i)
-    count_row: Int[Array, "b"]  # the row's row of the state's count table (0: the sink row, no counts)
-    top_logprobs: Int[Array, "b"]  # top alternatives the row reports (0: none; the step computes them if any)
-    prompt_top_logprobs: Int[Array, "b"]  # scoring steps: top alternatives at each prompt position (0: none)
+    min_tokens: Int[Array, " b"]  # stop ids are suppressed while out_len < min_tokens
+    out_len: Int[Array, " b"]  # tokens the row generated before this step (verify position i: + i)
+    count_row: Int[Array, " b"]  # the row's row of the state's count table (0: the sink row, no counts)
+    top_logprobs: Int[Array, " b"]  # top alternatives the row reports (0: none; the step computes them if any)
+    prompt_top_logprobs: Int[Array, " b"]  # scoring steps: top alternatives at each prompt position (0: none)
 
     @staticmethod
     def empty(b: int, max_stop_ids: int, max_logit_bias: int = 0) -> "SamplingArrays":
@@ -213,7 +213,7 @@ def processing_needed(s: SamplingArrays, out_index: Array) -> Array:
 
 
 def process_logits(logits: Float[Array, "b v"], s: SamplingArrays, counts: Int[Array, "b v"] | None,
-                   out_index: Int[Array, "b"]) -> Float[Array, "b v"]:
+                   out_index: Int[Array, " b"]) -> Float[Array, "b v"]:
     """The logits processors before temperature (module docstring), every row with its own
     values: `counts` are the rows' count-table rows (None: no count table, no count-based
     penalties), `out_index` the index among the row's generated tokens of the token these
@@ -258,7 +258,7 @@ def processed(logits: Float[Array, "b ... v"], s: SamplingArrays, table: Array |
     return jax.lax.cond(processing_needed(s, out_index), run, then, logits)
 
 
-def top_alternatives(logits: Float[Array, "... v"], want: Int[Array, "b"], k: int) -> tuple[Array, Array]:
+def top_alternatives(logits: Float[Array, "... v"], want: Int[Array, " b"], k: int) -> tuple[Array, Array]:
     """The k most likely tokens and their log-probs under the model (the raw logits' log-softmax,
     rounded as `jax.nn.log_softmax` rounds it) at each row ([..., k]; zeros when no row of the
     batch asks for any (`want`: alternatives each row asks for), or k == 0: skipped)."""
@@ -308,7 +308,7 @@ def sample_tokens(logits: Float[Array, "b v"], sampling: SamplingArrays, positio
 
 @jax.named_scope("accept")
 def accept_drafts(logits: Float[Array, "b s1 v"], drafts: Int[Array, "b s"], sampling: SamplingArrays,
-                  max_accept: Int[Array, "b"], position: Int[Array, "b"],
+                  max_accept: Int[Array, " b"], position: Int[Array, " b"],
                   counts: Array | None = None) -> tuple[Array, Array, Array, Array]:
     """Speculative acceptance for one verify step.
 

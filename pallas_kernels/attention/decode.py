@@ -394,8 +394,8 @@ def combine_splits(acc: Float[Array, "B S Q H D"], m: Float[Array, "B S Q H"],
 def ring_attention(q: Float[Array, "B Q H D"], r: Float[Array, "B Q H R"], rel_proj: Float[Array, "R E"],
                    tau: Float[Array, "B Q"], k_new: Float[Array, "B Q Hkv D"],
                    v_new: Float[Array, "B Q Hkv D"], q_pos: Int[Array, "B Q"], q_valid: Bool[Array, "B Q"],
-                   arena: Array, ring_unit_row: Int[Array, "B"], seq_start: Int[Array, "B"],
-                   has_state: Bool[Array, "B"], *, ring: int, window: int | None, num_splits: int | None = None,
+                   arena: Array, ring_unit_row: Int[Array, " B"], seq_start: Int[Array, " B"],
+                   has_state: Bool[Array, " B"], *, ring: int, window: int | None, num_splits: int | None = None,
                    bk: int = BK, num_warps: int = NUM_WARPS, num_stages: int = NUM_STAGES,
                    interpret: bool = False) -> Float[Array, "B Q H D"]:
     """Sliding layers: `decode_ref.ring_attention` (same arguments and result) reading each
@@ -418,7 +418,7 @@ def ring_attention(q: Float[Array, "B Q H D"], r: Float[Array, "B Q H R"], rel_p
 def paged_attention(q: Float[Array, "B Q H D"], r: Float[Array, "B Q H R"], rel_proj: Float[Array, "R E"],
                     tau: Float[Array, "B Q"], k_new: Float[Array, "B Q Hkv D"],
                     v_new: Float[Array, "B Q Hkv D"], q_pos: Int[Array, "B Q"], q_valid: Bool[Array, "B Q"],
-                    arena: Array, page_unit_row: Int[Array, "B P"], seq_start: Int[Array, "B"], *,
+                    arena: Array, page_unit_row: Int[Array, "B P"], seq_start: Int[Array, " B"], *,
                     page_size: int, window: int | None = None, num_splits: int | None = None,
                     num_warps: int = NUM_WARPS, num_stages: int = NUM_STAGES,
                     interpret: bool = False) -> Float[Array, "B Q H D"]:
