@@ -18,6 +18,11 @@
 #   prefill  bench.serve.serve prefill at 8 x 1k and 1 x 8k: Pallas grouped GEMMs against ragged_dot
 #   moe      bench.kernels.moe_micro --many: dense, ragged_dot and the grouped-GEMM tilings
 #   profile  bench.profile.engine at B = 1 (decode, K = 8) and a B = 1 verify step (spec_steps 3)
+#   startup  bench.serve.startup (make run's job, shipped model, fresh processes: cold, then warm x3) and
+#            bench.serve.serve's startup section (bench preset) with the background warm-up, first as
+#            the steps compile by default, then under --xla_gpu_autotune_level=0 (cold compile cost
+#            against step time: the same decode and prefill cases side by side in `autotune`)
+#   autotune bench.serve.serve decode (B = 1, 32) and prefill (Pallas) without / with autotune level 0
 #   sweep    bench.kernels.kernels at batch 1 with the MoE gate|up tile sweep and the batch-1 projections'
 #            tile / split sweep (splits=1: no summing launch after the product)
 # Every part's command is printed before it runs; a part that fails or times out is reported
@@ -63,7 +68,22 @@ for part in "$@"; do
         profile)
             run_part profile_decode 150 python -m bench.profile.engine --batch 1
             run_part profile_verify 150 python -m bench.profile.engine --batch 1 --spec-steps 3 ;;
+        startup)
+            run_part startup_make_run 300 python -m bench.serve.startup --cold-runs 1 --warm-runs 3
+            run_part startup_bench 300 python -m bench.serve.serve --sections startup --startup-warmup \
+                --out "$OUT/startup.md"
+            XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" run_part startup_autotune0 300 \
+                python -m bench.serve.serve --sections startup --startup-warmup --out "$OUT/startup_autotune0.md" ;;
+        autotune)
+            run_part autotune_decode 300 python -m bench.serve.serve --sections flags --cache-dir "" \
+                --decode-steps 8 --flag-batches 1,32 --flag-variants ';--xla_gpu_autotune_level=0' \
+                --out "$OUT/autotune_decode.md"
+            run_part prefill_default 240 python -m bench.serve.serve --sections prefill --prefill-kernels pallas \
+                --cache-dir "" --out "$OUT/prefill_default.md"
+            XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" run_part prefill_autotune0 240 \
+                python -m bench.serve.serve --sections prefill --prefill-kernels pallas --cache-dir "" \
+                --out "$OUT/prefill_autotune0.md" ;;
         sweep) run_part sweep 400 python -m bench.kernels.kernels --batches 1 --moe-sweep --proj-sweep --out "$OUT/sweep.md" ;;
-        *) echo "unknown part $part (check modes decode verify prefill moe profile sweep)"; exit 2 ;;
+        *) echo "unknown part $part (check modes decode verify prefill moe profile sweep startup autotune)"; exit 2 ;;
     esac
 done

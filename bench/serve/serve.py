@@ -128,6 +128,8 @@ def parse_args(argv=None):
                    "step (0: the whole case, N x L)")
     p.add_argument("--peak-tflops", type=float, default=989.4, help="dense bf16 peak TFLOP/s of the device "
                    "(default: H200 SXM)")
+    p.add_argument("--startup-warmup", action="store_true", help="startup: also cold / warm with "
+                   "Engine.warmup(wait=False) before the first generate (what inkling-generate does)")
     p.add_argument("--startup-jnp", action="store_true", help="startup: also cold / warm with use_pallas=False "
                    "(in a child: this run's engine uses the jnp kernels)")
     p.add_argument("--startup-child", default="", metavar="DIR", help=argparse.SUPPRESS)  # serve_fresh's child

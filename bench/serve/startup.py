@@ -61,9 +61,9 @@ def child(spawned: float, cli_args: list[str]) -> None:
             marks["load"] = marks.get("load", 0.0) + time.perf_counter() - t0
             return out
 
-        def timed_run(engine, prompts, sampling, progress=True):
+        def timed_run(engine, prompts, sampling, progress=True, **kw):
             submitted = time.time()
-            res = run(engine, prompts, sampling, progress)
+            res = run(engine, prompts, sampling, progress, **kw)
             marks["first_token"] = submitted + min(res.ttft_s)
             marks["run"] = res.wall_s
             return res
@@ -101,6 +101,10 @@ def child(spawned: float, cli_args: list[str]) -> None:
 def run_child(cache_home: str, cli_args: list[str]) -> tuple[dict, list[str]]:
     """One fresh process; its timings (exit included) and its completions."""
     env = dict(os.environ, XDG_CACHE_HOME=cache_home)
+    # the child runs this file as a script: put the repository root on its path, so that an
+    # uninstalled checkout (e.g. the GPU machine's copy) imports inkling_jax
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
     for name in ("INKLING_JAX_EXECUTABLE_CACHE", "JAX_COMPILATION_CACHE_DIR"):
         env.pop(name, None)
     spawned = time.time()
