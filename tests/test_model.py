@@ -165,3 +165,30 @@ def test_lone_row_padding_keeps_results(tiny, impl, monkeypatch):
         out[pad] = (np.asarray(ik.forward(params, cfg, tokens)), np.asarray(model_moe.moe_mlp(moe, cfg, x)))
     for a, b in zip(out[False], out[True]):
         assert np.abs(a - b).max() <= 1e-5 * np.abs(a).max(), np.abs(a - b).max()
+
+
+def test_device_drawn_leaves_are_their_fold_in_normals(monkeypatch):
+    """init_params draws its large leaves on the device through samplers compiled concurrently
+    in the pool: each is scale * N(0, 1) from fold_in(key, its position), cast, placed where the
+    host-drawn leaves were (two leaves of one shape share a program, not a draw)."""
+    from inkling_jax.model import params as model_params
+    cfg = ik.InklingConfig.tiny()
+    monkeypatch.setattr(model_params, "DEVICE_INIT_ELEMS", 512)
+    key = jax.random.key(3)
+    params = ik.init_params(cfg, key, dtype=jnp.bfloat16, std=0.05, executable_cache=None)
+    paths, _ = jax.tree_util.tree_flatten_with_path(model_params.param_shapes(cfg), is_leaf=model_params.is_shape)
+    leaves = jax.tree_util.tree_leaves(params)
+    drawn = 0
+    for i, ((path, shape), leaf) in enumerate(zip(paths, leaves)):
+        assert leaf.shape == shape, path
+        name = model_params._leaf_name(path)
+        if np.prod(shape) < 512 or name.endswith("norm") or name in ("global_scale", "router_scale", "router_bias"):
+            continue
+        scale = 0.3 if name.endswith("conv") else 0.05
+        # jitted as the sampler is (eager ops round one element in ~10^4 differently in bf16)
+        want = jax.jit(lambda k, j, s, shape=shape, dt=leaf.dtype: (
+            s * jax.random.normal(jax.random.fold_in(k, j), shape, jnp.float32)).astype(dt))(
+                key, np.int32(i), np.float32(scale))
+        np.testing.assert_array_equal(np.asarray(leaf, np.float32), np.asarray(want, np.float32), err_msg=str(path))
+        drawn += 1
+    assert drawn >= 4

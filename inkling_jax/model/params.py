@@ -130,13 +130,16 @@ def init_params(cfg: InklingConfig, key: jax.Array, dtype: Any = jnp.float32, st
     the key's bits and cast on the host (a jitted init of a few hundred small leaves takes
     longer to compile than the model does); larger ones on the device, one small program per
     distinct shape (host sampling and the transfer of a few GB took about a minute for the
-    bench preset)."""
+    bench preset). Their programs are asked for in the compile pool first and compile
+    concurrently while the small leaves are drawn (a cold start on a GPU compiled them one
+    after another)."""
     enable_compile_cache(compile_cache)
     seed = np.asarray(jax.random.key_data(key)).astype(np.uint64).ravel().tolist()
     rng = np.random.default_rng(seed)
     shapes = param_shapes(cfg)
     paths, treedef = jax.tree_util.tree_flatten_with_path(shapes, is_leaf=is_shape)
-    leaves = []
+    leaves: list[Any] = []
+    on_device = []  # (position in leaves, the sampler's future, its arguments)
     for i, (path, shape) in enumerate(paths):
         name = _leaf_name(path)
         dt = np.dtype(leaf_dtype(name, dtype))
@@ -149,25 +152,29 @@ def init_params(cfg: InklingConfig, key: jax.Array, dtype: Any = jnp.float32, st
             continue
         scale = 0.3 if name.endswith("conv") else std
         if math.prod(shape) >= DEVICE_INIT_ELEMS:
-            leaves.append(_device_normal(key, i, tuple(shape), dt, scale, executable_cache))
+            on_device.append((len(leaves), *_device_normal(key, i, tuple(shape), dt, scale, executable_cache)))
+            leaves.append(None)
         else:
             leaves.append(jax.device_put((scale * rng.standard_normal(shape, np.float32)).astype(dt)))
+    for position, sampler, args in on_device:
+        leaves[position] = sampler.result()(*args)
     return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
 def _device_normal(key: jax.Array, i: int, shape: tuple[int, ...], dtype: Any, scale: float,
-                   cache: str | None = "auto") -> jax.Array:
-    """scale * N(0, 1) of `shape` from fold_in(key, i), drawn in fp32 on the default device and
-    cast to dtype (one program per shape and dtype: `inkling_jax.programs`)."""
+                   cache: str | None = "auto") -> tuple[Any, tuple]:
+    """The program drawing scale * N(0, 1) of `shape` from fold_in(key, i) in fp32 on the default
+    device, cast to dtype (one per shape and dtype, a future from the compile pool:
+    `inkling_jax.programs`), and the arguments to call it with."""
     def make():
         return jax.jit(lambda k, j, s: (s * jax.random.normal(jax.random.fold_in(k, j), shape, jnp.float32)
                                         ).astype(dtype))
 
     args = (key, np.int32(i), np.float32(scale))
-    sampler = programs.get("normal_sampler", dict(shape=shape, dtype=np.dtype(dtype),
-                                                  device=getattr(jax.config, "jax_default_device", None)),
-                           make, args, cache=cache)
-    return sampler(*args)
+    sampler = programs.request("normal_sampler", dict(shape=shape, dtype=np.dtype(dtype),
+                                                      device=getattr(jax.config, "jax_default_device", None)),
+                               make, args, cache=cache, background=True)
+    return sampler, args
 
 
 def _leaf_name(path: tuple[Any, ...]) -> str:
