@@ -307,3 +307,38 @@ def test_pallas_kernels_keep_rows_apart(params, scenario):
     assert out[0].tokens == want.tokens
     np.testing.assert_allclose(out[0].logprobs, want.logprobs, rtol=0, atol=1e-4)
     check_no_trace(engine, x)
+
+
+def test_on_delta_that_raises_fails_its_request_alone(params, scenario):
+    """A stream consumer the engine calls (generate's on_delta) raising for one request's
+    delta fails that request only, with the reason; it gets no more deltas; the others get
+    every delta and finish exactly as without the consumer; the accounting closes, a later
+    call is unaffected. A KeyboardInterrupt is not a consumer error: it leaves the call and
+    the unfinished requests are aborted."""
+    engine = ik.Engine(CFG, params, ik.EngineConfig(**{**KW, **MODES["multistep"]}))
+    clean = scenario["clean"]
+    seen: dict[int, list[int]] = {}
+
+    def consumer(delta):
+        seen.setdefault(delta.index, []).extend(delta.tokens)
+        if delta.index == 1 and len(seen[1]) >= 2:
+            raise ValueError("printer broke")
+
+    out = engine.generate(clean, GREEDY, on_delta=consumer)
+    assert out[1].finish_reason == "error" and out[1].error == "on_delta raised ValueError: printer broke"
+    assert out[1].tokens == oracle(params, clean[1]).tokens[:len(out[1].tokens)]
+    assert out[1].tokens[:len(seen[1])] == seen[1]  # (a step in flight may have added more)
+    for i in (0, 2):
+        assert out[i].finish_reason == "length" and out[i].tokens == oracle(params, clean[i]).tokens == seen[i]
+    assert engine.stats()["failed_requests"] == 1
+    engine.check_invariants()
+    assert engine.generate([clean[1]], GREEDY)[0].tokens == oracle(params, clean[1]).tokens
+
+    def interrupted(delta):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        engine.generate(clean[:2], GREEDY, on_delta=interrupted)
+    engine.check_invariants()
+    assert not engine.requests.running and not engine.requests.waiting
+    assert engine.generate([clean[0]], GREEDY)[0].tokens == oracle(params, clean[0]).tokens

@@ -40,7 +40,7 @@ import dataclasses
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import jax
 import numpy as np
@@ -183,19 +183,34 @@ class Engine:
         return None if self.plan is None else self.plan.mesh
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams | None = None,
-                 session: int | None = None, n: int | None = None) -> list:
+                 session: int | None = None, n: int | None = None,
+                 on_delta: Callable[[StreamDelta], Any] | None = None) -> list:
         """Generate for every prompt (continuous batching); returns completions in order.
 
         prompts: a list of token-id sequences (lists, tuples or 1-D numpy integer arrays).
         n (or `sampling.n`): samples per prompt; with n > 1 each prompt's entry is a list of n
         Completions (sample j draws as a request with seed `sampling.seed + j`).
-        A request that failed alone (non-finite logits, an exception from a hook) is returned
-        with finish_reason "error" and the reason in `Completion.error`; the others are
-        exactly what they would have been without it."""
+        on_delta: a stream consumer the engine calls with each `StreamDelta` as the steps
+        commit tokens (as `stream` yields them). If it raises (an Exception) for a request's
+        delta, that request fails alone ("on_delta raised ...") and gets no more deltas.
+        A request that failed alone (non-finite logits, an exception from a hook or from
+        on_delta) is returned with finish_reason "error" and the reason in `Completion.error`;
+        the others are exactly what they would have been without it."""
         sampling = self._sampling(sampling, n)
         requests = self.submit(prompts, sampling, session)
-        while any(r.finish_reason is None and r.error is None for r in requests):
-            self.step()
+        if on_delta is None:
+            while any(r.finish_reason is None and r.error is None for r in requests):
+                self.step()
+        else:
+            by_id, failed = {r.rid: r for r in requests}, set()
+            for delta in self.stream_requests(requests):
+                if delta.request_id in failed:
+                    continue
+                try:
+                    on_delta(delta)
+                except Exception as exc:  # noqa: BLE001 - user code: its request fails, the others go on
+                    failed.add(delta.request_id)
+                    self._fail(by_id[delta.request_id], f"on_delta raised {type(exc).__name__}: {exc}")
         self._raise_given_up(requests)
         done = [r.completion() for r in requests]
         k = sampling.n
@@ -533,6 +548,14 @@ class Engine:
             # (a running one's freed slots are compacted on the device by the next step)
             with critical():
                 self.requests.abort(request.rid if isinstance(request, Request) else request)
+
+    def _fail(self, r: Request, reason: str) -> None:
+        """r fails alone between steps (`Requests.fail`), unless it has finished meanwhile."""
+        with self._lock:
+            self._settle()
+            if r.finish_reason is None and r.error is None:
+                with critical():
+                    self.requests.fail(r, reason)
 
     def drafts_for(self, r: Request) -> list[int]:
         """The draft tokens a verify step checks for r: the MTP chain's proposals from the last
