@@ -45,7 +45,7 @@ import dataclasses
 import os
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, no_type_check
 
 import jax
 import jax.numpy as jnp
@@ -68,22 +68,25 @@ from .sampling import accept_drafts, sample_tokens, top_alternatives
 Params = dict[str, Any]
 
 
+# no_type_check (the tests' jaxtyping hook): a pytree node, rebuilt through __init__ by JAX with
+# leaves of any kind (lowering's ArgInfo, specs, float0 cotangents; numpy on the host)
+@no_type_check
 @jax.tree_util.register_dataclass
 @dataclass
 class StepOutput:
-    tokens: Int[Array, " b"]  # sampled next token of each row (verify: the bonus after the accepted drafts;
+    tokens: Int[Array, " b *k"]  # sampled next token of each row (verify: the bonus after the accepted drafts;
     #                          a K-step decode: [B, K], one column per step)
-    logprobs: Float[Array, " b"]  # log p(token) under the model (temperature 1, no truncation); [B, K] likewise
+    logprobs: Float[Array, " b *k"]  # log p(token) under the model (temperature 1, no truncation); [B, K] likewise
     num_accepted: Int[Array, " b"]  # verify: drafts accepted (they precede `tokens`); K-step decode: steps
     #                                the row ran (its valid columns); else 0
     accepted_logprobs: Float[Array, "b s"]  # verify: log p of each draft (valid for the accepted ones)
     drafts: Int[Array, "b s"]  # spec: the next round's draft tokens (valid when sample_next)
     row_ok: Bool[Array, " b"]  # the row's logits were finite (`finite_rows`); False: the request fails
     #                           (padded rows: ignore)
-    top_ids: Int[Array, "b l"]  # the L most likely tokens where `tokens` was chosen (zeros unless a row asks,
+    top_ids: Int[Array, " b *q l"]  # the L most likely tokens where `tokens` was chosen (zeros unless a row asks,
     #                             `SamplingArrays.top_logprobs`); K-step decode: [B, K, L]; verify: [B, S+1, L]
     #                             (position i: the token after the i-th draft)
-    top_logprobs: Float[Array, "b l"]  # their log-probs under the model, shaped as top_ids
+    top_logprobs: Float[Array, " b *q l"]  # their log-probs under the model, shaped as top_ids
     prompt_logprobs: Float[Array, " t"]  # scoring extend step: log p of packed token t's known next token (the
     #                                     next packed token of its row, or its lookahead[0]); else [0]
     prompt_top_ids: Int[Array, "t l"]  # scoring step: the L most likely next tokens at each packed token

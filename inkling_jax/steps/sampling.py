@@ -34,7 +34,7 @@ processor); values are arrays, so a new value compiles nothing.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Sequence, no_type_check
 
 import jax
 import jax.numpy as jnp
@@ -137,6 +137,9 @@ class SamplingParams:
 GREEDY = SamplingParams()  # RowPlan's default: greedy, no stop ids
 
 
+# no_type_check (the tests' jaxtyping hook): a pytree node, rebuilt through __init__ by JAX with
+# leaves of any kind (lowering's ArgInfo, specs, float0 cotangents; numpy on the host)
+@no_type_check
 @jax.tree_util.register_dataclass
 @dataclass
 class SamplingArrays:
