@@ -9,11 +9,19 @@ from __future__ import annotations
 import os
 import sys
 
+import numpy as np
+from beartype import BeartypeConf, FrozenDict, beartype
+
 PACKAGES = ("inkling_jax", "pallas_kernels")
-# PEP 484's numeric tower (an int passes for a float, as in any static checker): beartype is
-# stricter by default
-TYPECHECKER = "beartype.beartype(conf=beartype.BeartypeConf(is_pep484_tower=True))"
 ENV = "INKLING_TESTS_TYPECHECK"
+# beartype is stricter than the annotations mean: PEP 484's numeric tower (an int passes for a
+# float, as in any static checker), and a numpy integer passes for an int (token ids and sizes
+# read from numpy arrays; the library converts with int() where it matters)
+CONF = BeartypeConf(is_pep484_tower=True, hint_overrides=FrozenDict({int: int | np.integer}))
+
+
+def typechecker(fn):
+    return beartype(fn, conf=CONF)
 
 
 def enabled() -> bool:
@@ -29,7 +37,7 @@ def install() -> bool:
         raise RuntimeError(f"{ENV}: imported before the jaxtyping hook: {', '.join(early)}")
     from jaxtyping import install_import_hook
 
-    install_import_hook(list(PACKAGES), TYPECHECKER)
+    install_import_hook(list(PACKAGES), "runtime_types.typechecker")
     return True
 
 
