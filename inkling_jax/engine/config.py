@@ -4,7 +4,7 @@ settings, `SamplingParams`, live with the sampling they drive (`steps/sampling.p
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, no_type_check
 
 from ..cache.prefix_tree import EVICT_POLICIES
 from ..steps import DEFAULT_MAX_LOGIT_BIAS, DEFAULT_MAX_STOP_IDS
@@ -14,6 +14,9 @@ from ..validate import is_int, is_real
 __all__ = ["EngineConfig", "SamplingParams", "is_int", "is_real"]
 
 
+# no_type_check (the tests' jaxtyping hook): __post_init__ normalises what the API accepts beyond
+# the annotations and raises the ValueErrors it promises for the rest
+@no_type_check
 @dataclass(frozen=True)
 class EngineConfig:
     max_running: int = 8  # requests decoded together (rows of a step)

@@ -47,6 +47,9 @@ from ..validate import is_int, is_real
 PENALTY_RANGE = (-2.0, 2.0)
 
 
+# no_type_check (the tests' jaxtyping hook): __post_init__ normalises what the API accepts beyond
+# the annotations and raises the ValueErrors it promises for the rest
+@no_type_check
 @dataclass(frozen=True)
 class SamplingParams:
     max_new_tokens: int = 32
