@@ -501,8 +501,9 @@ def _main(args: argparse.Namespace) -> int:
                                   top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                                   stop_at_eos=not args.ignore_eos, n=args.n, min_p=args.min_p,
                                   repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
-                                  frequency_penalty=args.frequency_penalty, logit_bias=parse_logit_bias(args.logit_bias),
-                                  min_tokens=args.min_tokens, stop=[x.replace("\\n", "\n") for x in args.stop],
+                                  frequency_penalty=args.frequency_penalty,
+                                  logit_bias=parse_logit_bias(args.logit_bias), min_tokens=args.min_tokens,
+                                  stop=[x.replace("\\n", "\n") for x in args.stop],
                                   include_stop_str=args.include_stop_str, logprobs=args.logprobs)
         if args.session_dir:  # a chat across runs: its own engine (restored or new) and output
             from .cli_session import chat

@@ -14,6 +14,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # roughly double compile time and buy nothing at these sizes.
 os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0")
 
+# first: jaxtyping's hook instruments the library's modules as they are imported
+from runtime_types import TYPECHECKED
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -204,6 +207,10 @@ def _free_compiled_programs():
     ik.clear_program_cache()
     jax.clear_caches()
     gc.collect()
+
+
+def pytest_report_header(config):
+    return f"annotations checked at run time (jaxtyping + beartype): {'on' if TYPECHECKED else 'off'}"
 
 
 # ------------------------------------------------ one executable cache per test run

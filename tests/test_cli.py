@@ -14,7 +14,8 @@ from inkling_jax import cli
 SHARED = "The short convolution keeps a window of the last few inputs; "
 PROMPTS = [SHARED + "what else?", "Attention with a sliding window", SHARED + "what else?"]
 # max_running 1: requests run one after another, so the repeat is served from the prefix cache
-FLAGS = ["--model", "tiny", "--max-new-tokens", "6", "--max-running", "1", "--ignore-eos", "--no-progress", "--no-stream"]
+FLAGS = ["--model", "tiny", "--max-new-tokens", "6", "--max-running", "1", "--ignore-eos", "--no-progress",
+         "--no-stream"]
 
 
 def stats_table(out: str) -> dict[str, str]:

@@ -19,8 +19,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import inkling_jax as ik
-from inkling_jax.engine.fake_runner import FakeRunner, FakeStateError, fake_generate, fake_params, fold, token_logprob, \
-    top_tokens
+from inkling_jax.engine.fake_runner import (FakeRunner, FakeStateError, fake_generate, fake_params, fold,
+                                             token_logprob, top_tokens)
 from inkling_jax.tokenizer import ByteTokenizer
 from conftest import count_xla_compiles
 from faults import housekeeping

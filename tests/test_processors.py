@@ -187,7 +187,8 @@ def test_changing_processor_values_compiles_nothing(trunk_params):
         for k in range(4):
             sp = ik.SamplingParams(max_new_tokens=int(rng.randint(2, 8)), temperature=float(rng.choice([0, 0.9])),
                                    repetition_penalty=float(rng.uniform(0.5, 2)), min_p=float(rng.uniform(0, 0.5)),
-                                   presence_penalty=float(rng.uniform(-2, 2)), frequency_penalty=float(rng.uniform(0, 2)),
+                                   presence_penalty=float(rng.uniform(-2, 2)),
+                                   frequency_penalty=float(rng.uniform(0, 2)),
                                    logit_bias={int(rng.randint(V)): float(rng.randn())}, min_tokens=1, logprobs=k,
                                    stop=("x", "yz"), top_k=int(rng.randint(0, 9)), seed=k)
             engine.generate([list(rng.randint(3, V, rng.randint(2, 20))) for _ in range(3)], sp, n=1 + k % 2)

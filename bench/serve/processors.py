@@ -18,9 +18,9 @@ arrays: all run the same compiled steps, which the warm-up compiles):
 
 ms per token step = the decode phase's wall time / the tokens one row generated in it
 (`bench.serve.loop.phases`); the table gives the median over the rounds (and the minimum) and
-the processors' cost relative to the same setting without them. `--vocab N` replaces the model's vocabulary size (the processors and the
-LM head scale with it; the real Inkling has 200,058). Default model: `bench` on a GPU, `small`
-on the CPU (random weights).
+the processors' cost relative to the same setting without them. `--vocab N` replaces the model's
+vocabulary size (the processors and the LM head scale with it; the real Inkling has 200,058).
+Default model: `bench` on a GPU, `small` on the CPU (random weights).
 """
 
 from __future__ import annotations
@@ -114,7 +114,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     cfg, params = model(args)
     report = Report(args.out)
-    log(f"{args.config} model, vocab {cfg.unpadded_vocab_size}, {jax.default_backend()} ({jax.devices()[0].device_kind})")
+    log(f"{args.config} model, vocab {cfg.unpadded_vocab_size}, "
+        f"{jax.default_backend()} ({jax.devices()[0].device_kind})")
     rows = []
     for b in args.batches:
         ms = measure(args, cfg, params, b)

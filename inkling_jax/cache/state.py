@@ -19,7 +19,7 @@ turns them into physical indices through the live tables.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, no_type_check
 
 import jax
 import jax.numpy as jnp
@@ -29,6 +29,9 @@ from pallas_kernels.slot_ops import ref as units
 from .layout import ArenaLayout, Field
 
 
+# no_type_check (the tests' jaxtyping hook): a pytree node, rebuilt through __init__ by JAX with
+# leaves of any kind (lowering's ArgInfo, specs, float0 cotangents; numpy on the host)
+@no_type_check
 @jax.tree_util.register_dataclass
 @dataclass
 class ServingState:

@@ -4,7 +4,7 @@ settings, `SamplingParams`, live with the sampling they drive (`steps/sampling.p
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, no_type_check
 
 from ..cache.prefix_tree import EVICT_POLICIES
 from ..steps import DEFAULT_MAX_LOGIT_BIAS, DEFAULT_MAX_STOP_IDS
@@ -14,6 +14,9 @@ from ..validate import is_int, is_real
 __all__ = ["EngineConfig", "SamplingParams", "is_int", "is_real"]
 
 
+# no_type_check (the tests' jaxtyping hook): __post_init__ normalises what the API accepts beyond
+# the annotations and raises the ValueErrors it promises for the rest
+@no_type_check
 @dataclass(frozen=True)
 class EngineConfig:
     max_running: int = 8  # requests decoded together (rows of a step)
@@ -60,7 +63,8 @@ class EngineConfig:
                      "max_stop_ids"):
             value = getattr(self, name)
             need(is_int(value) and value >= 1, f"{name} must be an int >= 1, got {value!r}")
-        need(is_int(self.spec_steps) and self.spec_steps >= 0, f"spec_steps must be an int >= 0, got {self.spec_steps!r}")
+        need(is_int(self.spec_steps) and self.spec_steps >= 0,
+             f"spec_steps must be an int >= 0, got {self.spec_steps!r}")
         for name in ("max_logit_bias", "max_logprobs"):
             value = getattr(self, name)
             need(is_int(value) and value >= 0, f"{name} must be an int >= 0, got {value!r}")
@@ -76,7 +80,8 @@ class EngineConfig:
              f"evict_policy must be one of {sorted(EVICT_POLICIES)}, got {self.evict_policy!r}")
         need(isinstance(self.overlap, bool) or self.overlap == "auto",
              f"overlap must be True, False or 'auto', got {self.overlap!r}")
-        need(not (self.overlap is True and self.spec_steps), "overlap needs spec_steps=0 (verify steps are not overlapped)")
+        need(not (self.overlap is True and self.spec_steps),
+             "overlap needs spec_steps=0 (verify steps are not overlapped)")
         need(not (self.overlap is True and self.decode_steps == 1),
              "overlap needs multi-step decode (decode_steps > 1, or 'auto' on a GPU)")
         need(isinstance(self.use_pallas, bool) or self.use_pallas == "auto",

@@ -19,9 +19,10 @@ pending change together (`interrupts.critical`: a Ctrl-C lands before or after, 
 between); if reading the outputs fails, they stay pending and the next call finishes the
 step; admission and planning (which take slots and pages and record their owners), the host
 commit and the other calls' host changes (submit, abort, close_session, evict_all, compact)
-are critical sections; compaction moves are acknowledged only after their device copy. Should the device state itself be lost (an exception after the arena was
-donated, outputs that cannot be read twice), `reset` restarts every request from its tokens
-(the state is a pure function of them) with an empty prefix cache: outputs stay exact.
+are critical sections; compaction moves are acknowledged only after their device copy. Should the
+device state itself be lost (an exception after the arena was donated, outputs that cannot be read
+twice), `reset` restarts every request from its tokens (the state is a pure function of them) with
+an empty prefix cache: outputs stay exact.
 
 One engine, one lock: every public method holds it, so calls from several threads are
 serialized step by step (two threads calling `generate` share steps).
@@ -116,8 +117,9 @@ class Engine:
         elif not isinstance(params, dict) or "unembed" not in params:
             raise ValueError("params do not fit the config: expected a params dict (init_params / load_pretrained)")
         if config.spec_steps > cfg.num_mtp_layers:
+            no_mtp = "; the checkpoint has no MTP weights" if not cfg.num_mtp_layers else ""
             raise ValueError(f"spec_steps={config.spec_steps} exceeds the model's MTP depths "
-                             f"({cfg.num_mtp_layers}{'; the checkpoint has no MTP weights' if not cfg.num_mtp_layers else ''})")
+                             f"({cfg.num_mtp_layers}{no_mtp})")
         if config.spec_steps and "mtp" not in params:
             raise ValueError("spec_steps > 0 but the params hold no MTP weights")
         if config.spec_steps and config.track_interval <= config.spec_steps + 1:
@@ -134,7 +136,8 @@ class Engine:
             check_arena_fits(num_units, lay, params["unembed"].dtype)
         else:
             memory = plan_memory(cfg, params["unembed"].dtype, self.plan, pool_sizes(config))
-            check_arena_fits_per_device(memory, [d for d in mesh.devices.flat if d.process_index == jax.process_index()])
+            local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+            check_arena_fits_per_device(memory, local)
         self.pool = UnitPool(num_units, lay.slot_units, lay.page_units, unified=config.pool == "unified",
                              lazy=config.ping_pong == "lazy", num_slots=config.num_slots,
                              num_pages=config.num_pages)

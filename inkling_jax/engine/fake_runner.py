@@ -299,7 +299,8 @@ class FakeRunner(StepRunner):
         previous dispatch's outputs."""
         from dataclasses import replace
 
-        tokens, num_new, num_steps = batch.layout.tokens.copy(), batch.layout.num_new.copy(), batch.layout.num_steps.copy()
+        lay = batch.layout
+        tokens, num_new, num_steps = lay.tokens.copy(), lay.num_new.copy(), lay.num_steps.copy()
         for i, (src, planned) in enumerate(zip(feed.rows, feed.steps)):
             token = int(feed.prev.tokens[src, max(planned - 1, 0)])
             stopped = token in [s for s in batch.sampling.stop_ids[i] if s >= 0]
@@ -328,7 +329,8 @@ class FakeRunner(StepRunner):
             raise FakeStateError(f"row {i}: its slot holds {length} tokens, the step starts at {start}")
         if fold(self._read_pages(arena, pages, 0, start)) != h:
             raise FakeStateError(f"row {i}: the tokens its pages hold are not its slot's history")
-        tracks = [(int(v), int(n)) for v, n in zip(batch.slots.virtual_track_slot[i], batch.slots.track_len[i]) if n > 0]
+        tracks = [(int(v), int(n)) for v, n in zip(batch.slots.virtual_track_slot[i], batch.slots.track_len[i])
+                  if n > 0]
         q0, n = int(batch.layout.query_start[i]), int(batch.layout.num_new[i])
         new = [int(t) for t in batch.layout.tokens[q0:q0 + n]]
         sp = batch.sampling
@@ -393,7 +395,8 @@ class FakeRunner(StepRunner):
             if stop_hit:  # the accepted stop draft is the last token: it becomes the bonus
                 bonus, out.num_accepted[i] = drafts[accepted - 1], accepted - 1
             else:
-                bonus, out.num_accepted[i] = choose(h_end, start + commit, out_len + accepted, drafts[:accepted]), accepted
+                bonus = choose(h_end, start + commit, out_len + accepted, drafts[:accepted])
+                out.num_accepted[i] = accepted
             out.tokens[i], out.logprobs[i] = bonus, token_logprob(h_end, bonus)
             a = int(out.num_accepted[i])
             emitted(drafts[:a] + [bonus])

@@ -314,7 +314,8 @@ def check_compatible(engine: "Engine", state: dict) -> None:
             problems.append(f"a save from another layout: {k} is {v!r} there, {ours.get(k)!r} here")
     for k in MUST_MATCH:
         if state["config"].get(k) != getattr(engine.config, k):
-            problems.append(f"EngineConfig.{k} is {state['config'].get(k)!r} in the save, {getattr(engine.config, k)!r} here")
+            problems.append(f"EngineConfig.{k} is {state['config'].get(k)!r} in the save, "
+                            f"{getattr(engine.config, k)!r} here")
     if problems:
         raise ValueError("restore: " + "; ".join(problems))
 

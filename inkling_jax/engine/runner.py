@@ -184,7 +184,8 @@ class StepRunner:
         top_t = pow2_ceil(config.max_step_tokens)
         self.token_buckets = ladder(top_t, min(top_t, pow2_ceil(max(config.min_token_bucket, config.max_running))))
         top_p = pow2_ceil(math.ceil(max_context / config.page_size))
-        self.page_buckets = ladder(top_p, min(top_p, pow2_ceil(math.ceil(config.min_context_bucket / config.page_size))))
+        bottom_p = pow2_ceil(math.ceil(config.min_context_bucket / config.page_size))
+        self.page_buckets = ladder(top_p, min(top_p, bottom_p))
         self.extend_checkpoints = extend_checkpoints  # M of extend steps (decode / verify: 1)
         # the programs this engine uses, by kind: steps by StepShape, unit copies by padded
         # move count, count-table writes by batch bucket, decode feeds by (batch bucket,
@@ -433,7 +434,8 @@ class StepRunner:
 
     def _single_device(self, what: str) -> None:
         if self.plan is not None:
-            raise ValueError(f"{what}: durable state is single-device (an engine on a mesh cannot be saved or restored)")
+            raise ValueError(f"{what}: durable state is single-device "
+                             "(an engine on a mesh cannot be saved or restored)")
 
     def _request_rows(self, how: str, n: int, background: bool) -> Future:
         arena = self.state.arena

@@ -20,11 +20,12 @@ match, their length - 1 last characters are held back.
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+from typing import Protocol, Sequence, runtime_checkable
 
 REPLACEMENT = "\ufffd"
 
 
+@runtime_checkable  # checkable at run time (the tests' beartype hook)
 class Tokenizer(Protocol):
     def decode(self, ids: list[int]) -> str: ...
 

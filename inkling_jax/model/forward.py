@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, ArrayLike, Float, Int
 
 from ..config import AttentionGeometry, InklingConfig
 from . import layers as L
@@ -37,9 +37,10 @@ class DenseContext(L.LayerContext):
         return L.attention_core(q, k, v, r, rel_proj, self.positions, self.positions, valid, geom, self.cfg)
 
 
-def forward_hidden(params: Params, cfg: InklingConfig, tokens: Int[Array, "b t"], parallel: Any = None
+def forward_hidden(params: Params, cfg: InklingConfig, tokens: Int[ArrayLike, "b t"], parallel: Any = None
                    ) -> Float[Array, "b t h"]:
     """Final-normed hidden states (the tensor the LM head and MTP depth 0 read), model dtype."""
+    tokens = jnp.asarray(tokens, jnp.int32)
     dtype = params["unembed"].dtype
     b, t = tokens.shape
     ctx = DenseContext(cfg, jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)), parallel)
@@ -66,10 +67,9 @@ def run_trunk(params: Params, cfg: InklingConfig, ctx: Any, x: Array, bind: Any 
     return h
 
 
-def forward(params: Params, cfg: InklingConfig, tokens: Int[Array, "b t"], parallel: Any = None
+def forward(params: Params, cfg: InklingConfig, tokens: Int[ArrayLike, "b t"], parallel: Any = None
             ) -> Float[Array, "b t v"]:
     """Logits (fp32, unpadded vocab) for every position of tokens [B, T]."""
-    tokens = jnp.asarray(tokens, jnp.int32)
     return L.lm_head(params, cfg, forward_hidden(params, cfg, tokens, parallel), parallel)
 
 
@@ -103,7 +103,7 @@ def mtp_depth_block(params: Params, cfg: InklingConfig, depth: int, z: Array, ct
 
 
 def mtp_forward(
-    params: Params, cfg: InklingConfig, hidden: Float[Array, "b t h"], tokens: Int[Array, "b t"],
+    params: Params, cfg: InklingConfig, hidden: Float[Array, "b t h"], tokens: Int[ArrayLike, "b t"],
     num_depths: int | None = None, parallel: Any = None,
 ) -> tuple[Float[Array, "d b t v"], Float[Array, "d b t h"]]:
     """The chain of MTP depths over whole sequences (the draft-prefill computation).

@@ -136,8 +136,8 @@ def init_sharded_state(plan: ShardPlan, layout: ArenaLayout, num_units: int, num
 def _zero_state_fn(mesh: Mesh, shapes: tuple[tuple[int, ...], ...], dtype: Any):
     """jit of a zero state placed by `state_shardings`."""
     arena, slots, pages, counts = shapes
-    return jax.jit(lambda: ServingState(jnp.zeros(arena, dtype), jnp.zeros(slots, jnp.int32), jnp.zeros(pages, jnp.int32),
-                                        jnp.zeros(counts, jnp.int32)),
+    return jax.jit(lambda: ServingState(jnp.zeros(arena, dtype), jnp.zeros(slots, jnp.int32),
+                                        jnp.zeros(pages, jnp.int32), jnp.zeros(counts, jnp.int32)),
                    out_shardings=state_shardings(mesh))
 
 

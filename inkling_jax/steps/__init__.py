@@ -17,5 +17,5 @@ from .program import StepOutput, compile_lowered, compile_step, run_step, step_l
 from .sampling import accept_drafts, sample_tokens
 
 __all__ = ["DEFAULT_MAX_LOGIT_BIAS", "DEFAULT_MAX_STOP_IDS", "MODES", "RowMeta", "RowPlan", "StepBatch", "StepContext",
-           "StepOutput", "StepShape", "accept_drafts", "check_batch", "compile_lowered", "compile_step", "feed_decode", "pack_batch",
-           "run_step", "sample_tokens", "step_logits"]
+           "StepOutput", "StepShape", "accept_drafts", "check_batch", "compile_lowered", "compile_step", "feed_decode",
+           "pack_batch", "run_step", "sample_tokens", "step_logits"]

@@ -12,7 +12,7 @@ them (`cache/state.py`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Sequence, no_type_check
 
 import jax
 import numpy as np
@@ -57,6 +57,9 @@ class StepShape:
             raise ValueError("only extend steps score their tokens")
 
 
+# no_type_check (the tests' jaxtyping hook): a pytree node, rebuilt through __init__ by JAX with
+# leaves of any kind (lowering's ArgInfo, specs, float0 cotangents; numpy on the host)
+@no_type_check
 @jax.tree_util.register_dataclass
 @dataclass
 class TokenLayout:
@@ -72,6 +75,9 @@ class TokenLayout:
     num_steps: Int[Array, " b"]  # multi-step decode: steps the row runs at most (1 elsewhere; 0: padded row)
 
 
+# no_type_check (the tests' jaxtyping hook): a pytree node, rebuilt through __init__ by JAX with
+# leaves of any kind (lowering's ArgInfo, specs, float0 cotangents; numpy on the host)
+@no_type_check
 @jax.tree_util.register_dataclass
 @dataclass
 class RowSlots:
@@ -86,6 +92,9 @@ class RowSlots:
     virtual_cow_slot: Int[Array, " b"]  # slot to restore into `virtual_slot` first (0: none)
 
 
+# no_type_check (the tests' jaxtyping hook): a pytree node, rebuilt through __init__ by JAX with
+# leaves of any kind (lowering's ArgInfo, specs, float0 cotangents; numpy on the host)
+@no_type_check
 @jax.tree_util.register_dataclass
 @dataclass
 class SpecArrays:
@@ -96,6 +105,9 @@ class SpecArrays:
     max_accept: Int[Array, " b"]  # verify: accept at most this many drafts
 
 
+# no_type_check (the tests' jaxtyping hook): a pytree node, rebuilt through __init__ by JAX with
+# leaves of any kind (lowering's ArgInfo, specs, float0 cotangents; numpy on the host)
+@no_type_check
 @jax.tree_util.register_dataclass
 @dataclass
 class StepBatch:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, no_type_check
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +27,9 @@ from ..config import AttentionGeometry, InklingConfig
 from ..model import layers as L
 
 
+# no_type_check (the tests' jaxtyping hook): a pytree node, rebuilt through __init__ by JAX with
+# leaves of any kind (lowering's ArgInfo, specs, float0 cotangents; numpy on the host)
+@no_type_check
 @jax.tree_util.register_dataclass
 @dataclass
 class RowMeta:

@@ -58,7 +58,8 @@ def decode_loop(single_step: Callable, state, batch: StepBatch, steps: int, quer
                                        has_state=active & (lay.has_state | (j > 0)), seq_start=lay.seq_start + j,
                                        num_new=active.astype(jnp.int32), num_steps=active.astype(jnp.int32)),
             slots=dataclasses.replace(ids, virtual_slot=jnp.where(active, ids.virtual_slot, 0),
-                                      virtual_pages=col(ids.virtual_pages), virtual_track_slot=col(ids.virtual_track_slot),
+                                      virtual_pages=col(ids.virtual_pages),
+                                      virtual_track_slot=col(ids.virtual_track_slot),
                                       track_len=jnp.where(ids.track_len == j + 1, 1, 0).astype(jnp.int32),
                                       virtual_cow_slot=jnp.where((j == 0) & active, ids.virtual_cow_slot, 0)),
             sampling=dataclasses.replace(batch.sampling, out_len=batch.sampling.out_len + j))

@@ -45,7 +45,7 @@ import dataclasses
 import os
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, no_type_check
 
 import jax
 import jax.numpy as jnp
@@ -68,22 +68,25 @@ from .sampling import accept_drafts, sample_tokens, top_alternatives
 Params = dict[str, Any]
 
 
+# no_type_check (the tests' jaxtyping hook): a pytree node, rebuilt through __init__ by JAX with
+# leaves of any kind (lowering's ArgInfo, specs, float0 cotangents; numpy on the host)
+@no_type_check
 @jax.tree_util.register_dataclass
 @dataclass
 class StepOutput:
-    tokens: Int[Array, " b"]  # sampled next token of each row (verify: the bonus after the accepted drafts;
+    tokens: Int[Array, " b *k"]  # sampled next token of each row (verify: the bonus after the accepted drafts;
     #                          a K-step decode: [B, K], one column per step)
-    logprobs: Float[Array, " b"]  # log p(token) under the model (temperature 1, no truncation); [B, K] likewise
+    logprobs: Float[Array, " b *k"]  # log p(token) under the model (temperature 1, no truncation); [B, K] likewise
     num_accepted: Int[Array, " b"]  # verify: drafts accepted (they precede `tokens`); K-step decode: steps
     #                                the row ran (its valid columns); else 0
     accepted_logprobs: Float[Array, "b s"]  # verify: log p of each draft (valid for the accepted ones)
     drafts: Int[Array, "b s"]  # spec: the next round's draft tokens (valid when sample_next)
     row_ok: Bool[Array, " b"]  # the row's logits were finite (`finite_rows`); False: the request fails
     #                           (padded rows: ignore)
-    top_ids: Int[Array, "b l"]  # the L most likely tokens where `tokens` was chosen (zeros unless a row asks,
+    top_ids: Int[Array, " b *q l"]  # the L most likely tokens where `tokens` was chosen (zeros unless a row asks,
     #                             `SamplingArrays.top_logprobs`); K-step decode: [B, K, L]; verify: [B, S+1, L]
     #                             (position i: the token after the i-th draft)
-    top_logprobs: Float[Array, "b l"]  # their log-probs under the model, shaped as top_ids
+    top_logprobs: Float[Array, " b *q l"]  # their log-probs under the model, shaped as top_ids
     prompt_logprobs: Float[Array, " t"]  # scoring extend step: log p of packed token t's known next token (the
     #                                     next packed token of its row, or its lookahead[0]); else [0]
     prompt_top_ids: Int[Array, "t l"]  # scoring step: the L most likely next tokens at each packed token
@@ -110,8 +113,8 @@ def target_meta(batch: StepBatch, query: int, physical_slot: Array, physical_tra
                       row_tokens=jnp.clip(batch.layout.query_start[:, None] + jnp.arange(query)[None, :], 0, t - 1),
                       has_state=batch.layout.has_state, commit_len=commit_len, track_len=track_len)
     tracking = (track_len > 0) & (batch.layout.num_new > 0)[:, None]
-    return RowMeta(rows=rows, seq_start=batch.layout.seq_start, num_new=batch.layout.num_new, physical_slot=physical_slot,
-                   physical_track_slot=jnp.where(tracking, physical_track_slot, 0))
+    return RowMeta(rows=rows, seq_start=batch.layout.seq_start, num_new=batch.layout.num_new,
+                   physical_slot=physical_slot, physical_track_slot=jnp.where(tracking, physical_track_slot, 0))
 
 
 def run_layers(params: Params, cfg: InklingConfig, layout: ArenaLayout, ctx: StepContext, x: Array) -> Array:
@@ -133,7 +136,8 @@ class Translated:
 @jax.named_scope("prepare")
 def prepare(state: ServingState, batch: StepBatch, layout: ArenaLayout, ops: Any) -> tuple[Translated, Array]:
     """Translate the batch's ids, and apply copy-on-write restores (prefix hits) to the arena."""
-    ids = Translated(translate_slots(state, batch.slots.virtual_slot), translate_slots(state, batch.slots.virtual_track_slot),
+    ids = Translated(translate_slots(state, batch.slots.virtual_slot),
+                     translate_slots(state, batch.slots.virtual_track_slot),
                      translate_pages(state, batch.slots.virtual_pages))
     physical_cow_slot = translate_slots(state, batch.slots.virtual_cow_slot)
     # rows that restore nothing copy sink -> sink: a no-op for the Pallas copy (no lax.cond
@@ -160,7 +164,8 @@ def step_logits(params: Params, state: ServingState, batch: StepBatch, *, cfg: I
     # (a subclass written before the mesh hook, with its own __init__, still works without one)
     mesh_kw = {} if parallel is None else {"parallel": parallel}
     ctx = context_cls(cfg, layout, ops, arena, meta, ids.physical_pages, **mesh_kw)
-    h = run_layers(params, cfg, layout, ctx, L.embed(params, cfg, batch.layout.tokens, params["unembed"].dtype, parallel))
+    h = run_layers(params, cfg, layout, ctx,
+                   L.embed(params, cfg, batch.layout.tokens, params["unembed"].dtype, parallel))
     last = jnp.clip(batch.layout.query_start + batch.layout.num_new - 1, 0, h.shape[0] - 1)
     return L.lm_head(params, cfg, h[last], parallel), state.replace(arena=ctx.arena)
 
@@ -205,7 +210,8 @@ def single_step(params: Params, state: ServingState, batch: StepBatch, *, cfg: I
                        batch.slots.track_len)
     ctx = StepContext(cfg, layout, ops, arena, meta, ids.physical_pages, deferred=verify, parallel=parallel,
                       one_token_per_row=shape.mode == "decode")
-    h = run_layers(params, cfg, layout, ctx, L.embed(params, cfg, batch.layout.tokens, params["unembed"].dtype, parallel))
+    h = run_layers(params, cfg, layout, ctx,
+                   L.embed(params, cfg, batch.layout.tokens, params["unembed"].dtype, parallel))
     ctx.write_ring_checkpoints()
 
     counts = state.counts
@@ -217,9 +223,10 @@ def single_step(params: Params, state: ServingState, batch: StepBatch, *, cfg: I
                                                               batch.layout.seq_start + 1, counts)
         row_ok = finite_rows(logits, n_acc)
         if counts is not None:  # the accepted drafts and the bonus (rejected drafts never count)
-            emitted = jnp.concatenate([drafts, jnp.zeros((b, 1), jnp.int32)], axis=1).at[jnp.arange(b), n_acc].set(bonus)
-            counts = add_emitted(counts, batch.sampling.count_row, emitted,
-                                 (jnp.arange(spec + 1)[None, :] <= n_acc[:, None]) & (batch.layout.num_new > 0)[:, None])
+            emitted = jnp.concatenate([drafts, jnp.zeros((b, 1), jnp.int32)], axis=1)
+            emitted = emitted.at[jnp.arange(b), n_acc].set(bonus)
+            counted = (jnp.arange(spec + 1)[None, :] <= n_acc[:, None]) & (batch.layout.num_new > 0)[:, None]
+            counts = add_emitted(counts, batch.sampling.count_row, emitted, counted)
         commit = jnp.where(batch.layout.num_new > 0, n_acc + 1, 0)
         track = jnp.where(commit[:, None] >= batch.slots.track_len, batch.slots.track_len, 0)
         meta = target_meta(batch, shape.query, ids.physical_slot, ids.physical_track_slot, commit, track)
@@ -263,7 +270,8 @@ def score_tokens(params: Params, cfg: InklingConfig, batch: StepBatch, h: Array,
     logits = L.lm_head(params, cfg, h, parallel).astype(jnp.float32)  # [T, V]
     logp = jax.nn.log_softmax(logits, axis=-1)
     after_last = lay.token_offset + 1 >= lay.num_new[lay.token_row]
-    nxt = jnp.where(after_last, batch.spec.lookahead[lay.token_row, 0], lay.tokens[jnp.minimum(jnp.arange(t) + 1, t - 1)])
+    nxt = jnp.where(after_last, batch.spec.lookahead[lay.token_row, 0],
+                    lay.tokens[jnp.minimum(jnp.arange(t) + 1, t - 1)])
     top_ids, top_lp = top_alternatives(logits, batch.sampling.prompt_top_logprobs, k)
     return jnp.take_along_axis(logp, nxt[:, None], axis=-1)[:, 0], top_ids, top_lp
 

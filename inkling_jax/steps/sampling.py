@@ -34,7 +34,7 @@ processor); values are arrays, so a new value compiles nothing.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Sequence, no_type_check
 
 import jax
 import jax.numpy as jnp
@@ -47,6 +47,9 @@ from ..validate import is_int, is_real
 PENALTY_RANGE = (-2.0, 2.0)
 
 
+# no_type_check (the tests' jaxtyping hook): __post_init__ normalises what the API accepts beyond
+# the annotations and raises the ValueErrors it promises for the rest
+@no_type_check
 @dataclass(frozen=True)
 class SamplingParams:
     max_new_tokens: int = 32
@@ -109,7 +112,8 @@ class SamplingParams:
         need(isinstance(self.stop_at_eos, bool), f"stop_at_eos must be True or False, got {self.stop_at_eos!r}")
         need(all(t >= 0 for t in self.stop_token_ids), f"stop_token_ids must be >= 0, got {self.stop_token_ids}")
         need(is_int(self.n) and self.n >= 1, f"n must be an int >= 1, got {self.n!r}")
-        need(is_real(self.min_p) and 0 <= self.min_p <= 1, f"min_p must be a number in [0, 1] (0: off), got {self.min_p!r}")
+        need(is_real(self.min_p) and 0 <= self.min_p <= 1,
+             f"min_p must be a number in [0, 1] (0: off), got {self.min_p!r}")
         need(is_real(self.repetition_penalty) and self.repetition_penalty > 0,
              f"repetition_penalty must be a finite number > 0 (1: off), got {self.repetition_penalty!r}")
         lo, hi = PENALTY_RANGE
@@ -136,6 +140,9 @@ class SamplingParams:
 GREEDY = SamplingParams()  # RowPlan's default: greedy, no stop ids
 
 
+# no_type_check (the tests' jaxtyping hook): a pytree node, rebuilt through __init__ by JAX with
+# leaves of any kind (lowering's ArgInfo, specs, float0 cotangents; numpy on the host)
+@no_type_check
 @jax.tree_util.register_dataclass
 @dataclass
 class SamplingArrays:
@@ -182,7 +189,8 @@ class SamplingArrays:
             if len(r.stop_ids) > max_stop_ids:
                 raise ValueError(f"row {i} has {len(r.stop_ids)} stop ids; the step holds {max_stop_ids}")
             if len(sp.logit_bias) > max_logit_bias:
-                raise ValueError(f"row {i} has {len(sp.logit_bias)} logit_bias entries; the step holds {max_logit_bias}")
+                raise ValueError(f"row {i} has {len(sp.logit_bias)} logit_bias entries; "
+                                 f"the step holds {max_logit_bias}")
             out.temperature[i] = sp.temperature
             out.top_k[i] = sp.top_k
             out.top_p[i] = sp.top_p
@@ -335,7 +343,8 @@ def accept_drafts(logits: Float[Array, "b s1 v"], drafts: Int[Array, "b s"], sam
         proc, temp, sampling.top_k, sampling.top_p, sampling.min_p)  # [B, S+1, V] filtered, temperature-scaled
     probs = jax.nn.softmax(filt, axis=-1)
     p_draft = jnp.take_along_axis(probs[:, :s], drafts[:, :, None], axis=-1)[..., 0]  # [B, S]
-    keys = jax.vmap(lambda sd, pos: jax.random.fold_in(jax.random.key(sd.astype(jnp.uint32)), pos))(sampling.seed, position)
+    keys = jax.vmap(lambda sd, pos: jax.random.fold_in(jax.random.key(sd.astype(jnp.uint32)), pos))(
+        sampling.seed, position)
     u = jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, 1 << 20), (s,)))(keys)  # [B, S]
     ok = jnp.where((temp > 0)[:, None], u < p_draft, drafts == greedy[:, :s])
     n_acc = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)

@@ -90,11 +90,12 @@ power of two >= 16, too many token rows for int32 indices, empty inputs.
 
 Numerics: as `pallas.py`. Against the same kernel gathering the bias from the table
 (measured on the test cases): bf16 bit-equal, fp32 within 2.4e-7 absolute on O(1) outputs
-(the fp32 bias sums in another order than XLA's einsum). The combine kernel: fp32 within 5e-7 absolute (a few ulps) of
-the jnp `combine_splits` on O(1) outputs (sum order over splits), bf16 equal after the cast (tested). fp32: the summation orders differ from the reference (per block,
-rescaled; splits merged at the end): ~1e-6 relative. bf16: the kernel rounds the
-unnormalised p (in [0, 1]) to bf16 before p @ v, the reference the normalised probabilities;
-agreement within a few bf16 ulps of the output scale (tests: atol 2e-2 on O(1) outputs).
+(the fp32 bias sums in another order than XLA's einsum). The combine kernel: fp32 within 5e-7
+absolute (a few ulps) of the jnp `combine_splits` on O(1) outputs (sum order over splits), bf16
+equal after the cast (tested). fp32: the summation orders differ from the reference (per block,
+rescaled; splits merged at the end): ~1e-6 relative. bf16: the kernel rounds the unnormalised p
+(in [0, 1]) to bf16 before p @ v, the reference the normalised probabilities; agreement within a
+few bf16 ulps of the output scale (tests: atol 2e-2 on O(1) outputs).
 """
 
 from __future__ import annotations
@@ -150,8 +151,8 @@ def _use_kernel(q, r, rel_proj, tau, k_new, v_new, q_pos, q_valid, arena, seq_st
     nkv = k_new.shape[2]
     if not (b > 0 and 0 < nq <= MAX_QUERIES and nkv > 0 and h % nkv == 0 and (h // nkv) * nq <= MAX_ROWS):
         return False
-    if not (hd >= MIN_BLOCK and _is_pow2(hd) and k_new.shape == (b, nq, nkv, hd) and q_pos.shape == (b, nq) and q_valid.shape == (b, nq)
-            and seq_start.shape == (b,)):
+    if not (hd >= MIN_BLOCK and _is_pow2(hd) and k_new.shape == (b, nq, nkv, hd) and q_pos.shape == (b, nq)
+            and q_valid.shape == (b, nq) and seq_start.shape == (b,)):
         return False
     if not (k_new.dtype == q.dtype and v_new.dtype == q.dtype and arena.dtype == q.dtype):
         return False
@@ -160,9 +161,9 @@ def _use_kernel(q, r, rel_proj, tau, k_new, v_new, q_pos, q_valid, arena, seq_st
     return units > 0 and unit_elems > 0 and unit_elems % wt == 0 and units * (unit_elems // wt) <= INT32_MAX
 
 
-def _decode_call(q, r, rel_proj, tau, k_new, v_new, q_pos, q_valid, arena, unit_row, seq_start, has_state, *, ring: int | None,
-                 page_size: int | None, window: int | None, num_splits: int | None, bk: int, num_warps: int,
-                 num_stages: int, interpret: bool) -> Array:
+def _decode_call(q, r, rel_proj, tau, k_new, v_new, q_pos, q_valid, arena, unit_row, seq_start, has_state, *,
+                 ring: int | None, page_size: int | None, window: int | None, num_splits: int | None, bk: int,
+                 num_warps: int, num_stages: int, interpret: bool) -> Array:
     """The kernel (ring when `ring` is set, else pages) and the split combine."""
     b, nq, h, hd = q.shape
     nkv = k_new.shape[2]
@@ -201,10 +202,11 @@ def _decode_call(q, r, rel_proj, tau, k_new, v_new, q_pos, q_valid, arena, unit_
 
     def kernel(*refs):
         if paged:
-            seq_ref, urow_ref, q_ref, r_ref, rp_ref, tau_ref, kn_ref, vn_ref, qpos_ref, qok_ref, kv_ref, *out_refs = refs
+            seq_ref, urow_ref, *refs = refs
             hs_ref = None
         else:
-            seq_ref, urow_ref, hs_ref, q_ref, r_ref, rp_ref, tau_ref, kn_ref, vn_ref, qpos_ref, qok_ref, kv_ref, *out_refs = refs
+            seq_ref, urow_ref, hs_ref, *refs = refs
+        q_ref, r_ref, rp_ref, tau_ref, kn_ref, vn_ref, qpos_ref, qok_ref, kv_ref, *out_refs = refs
         sp = pl.program_id(0)
         g = pl.program_id(1)
         bi = pl.program_id(2)
@@ -406,13 +408,13 @@ def ring_attention(q: Float[Array, "B Q H D"], r: Float[Array, "B Q H R"], rel_p
         raise ValueError(f"bk must be a power of two >= {MIN_BLOCK}, not {bk}")
     if (ring < 1 or not _use_kernel(q, r, rel_proj, tau, k_new, v_new, q_pos, q_valid, arena, seq_start)
             or ring_unit_row.shape != seq_start.shape or has_state.shape != seq_start.shape):
-        return decode_ref.ring_attention(q, r, rel_proj, tau, k_new, v_new, q_pos, q_valid, arena, ring_unit_row, seq_start,
-                                         has_state, ring=ring, window=window)
+        return decode_ref.ring_attention(q, r, rel_proj, tau, k_new, v_new, q_pos, q_valid, arena, ring_unit_row,
+                                         seq_start, has_state, ring=ring, window=window)
     kernel_fn = partial(_decode_call, ring=ring, page_size=None, window=window, num_splits=num_splits, bk=bk,
                         num_warps=num_warps, num_stages=num_stages, interpret=interpret)
     ref_fn = partial(decode_ref.ring_attention, ring=ring, window=window)
-    return with_ref_vjp(kernel_fn, ref_fn)(q, r, rel_proj, tau, k_new, v_new, q_pos, q_valid, arena, ring_unit_row, seq_start,
-                                           has_state)
+    return with_ref_vjp(kernel_fn, ref_fn)(q, r, rel_proj, tau, k_new, v_new, q_pos, q_valid, arena, ring_unit_row,
+                                           seq_start, has_state)
 
 
 def paged_attention(q: Float[Array, "B Q H D"], r: Float[Array, "B Q H R"], rel_proj: Float[Array, "R E"],
@@ -429,13 +431,14 @@ def paged_attention(q: Float[Array, "B Q H D"], r: Float[Array, "B Q H R"], rel_
           and _is_pow2(page_size) and page_unit_row.ndim == 2 and page_unit_row.shape[0] == q.shape[0]
           and page_unit_row.shape[1] > 0 and arena.shape[1] == page_size * 2 * k_new.shape[2] * k_new.shape[3])
     if not ok:
-        return decode_ref.paged_attention(q, r, rel_proj, tau, k_new, v_new, q_pos, q_valid, arena, page_unit_row, seq_start,
-                                          page_size=page_size, window=window)
+        return decode_ref.paged_attention(q, r, rel_proj, tau, k_new, v_new, q_pos, q_valid, arena, page_unit_row,
+                                          seq_start, page_size=page_size, window=window)
     kernel_fn = partial(_decode_call, has_state=None, ring=None, page_size=page_size, window=window,
                         num_splits=num_splits, bk=page_size, num_warps=num_warps, num_stages=num_stages,
                         interpret=interpret)
     ref_fn = partial(decode_ref.paged_attention, page_size=page_size, window=window)
-    return with_ref_vjp(kernel_fn, ref_fn)(q, r, rel_proj, tau, k_new, v_new, q_pos, q_valid, arena, page_unit_row, seq_start)
+    return with_ref_vjp(kernel_fn, ref_fn)(q, r, rel_proj, tau, k_new, v_new, q_pos, q_valid, arena, page_unit_row,
+                                           seq_start)
 
 
 __all__ = ["combine_splits", "combine_splits_kernel", "default_splits", "paged_attention", "ring_attention"]

@@ -28,6 +28,7 @@ the composition its kernel fuses. `conv_from_taps` is the model's conv arithmeti
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import no_type_check
 
 import jax
 import jax.numpy as jnp
@@ -37,6 +38,9 @@ from .._common import rms_norm
 from ..slot_ops.ref import read_field, write_field
 
 
+# no_type_check (the tests' jaxtyping hook): a pytree node, rebuilt through __init__ by JAX with
+# leaves of any kind (lowering's ArgInfo, specs, float0 cotangents; numpy on the host)
+@no_type_check
 @jax.tree_util.register_dataclass
 @dataclass
 class PackedRows:

@@ -41,6 +41,7 @@ depend on the other tokens of the batch (each output row is one row of a dot).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import no_type_check
 
 import jax
 import jax.numpy as jnp
@@ -59,6 +60,9 @@ LARGE_BLOCK_CHOICES, LARGE_BM, LARGE_WARPS = 512, 128, 8
 MIN_TILE = 16  # bn' or bk' below this (a dimension with a small power-of-two factor): the reference
 
 
+# no_type_check (the tests' jaxtyping hook): a pytree node, rebuilt through __init__ by JAX with
+# leaves of any kind (lowering's ArgInfo, specs, float0 cotangents; numpy on the host)
+@no_type_check
 @jax.tree_util.register_dataclass
 @dataclass
 class Dispatch:
