@@ -637,7 +637,7 @@ class Engine:
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
-            s = dict(self._stats.as_dict(), **self.runner.stats)
+            s = dict(self._stats.as_dict(), **dataclasses.asdict(self.runner.stats))
             s["free_slots"] = self.pool.free_count("slot")
             s["free_pages"] = self.pool.free_count("page")
             s["live_slots"] = self.pool.live_count("slot")

@@ -56,6 +56,7 @@ from ..steps import counts as counts_lib
 from ..steps.program import gpu_step_options
 from .config import EngineConfig
 from .interrupts import critical
+from .stats import CompileStats
 
 # The process-wide program table (`programs.TABLE`; an alias for scripts that read or clear
 # it: `ik.clear_program_cache()` is the public way).
@@ -194,7 +195,7 @@ class StepRunner:
         self._programs: dict[str, dict[Any, Any]] = {"step": {}, "move": {}, "counts": {}, "feed": {}, "rows": {}}
         self.compiled: dict[StepShape, Any] = self._programs["step"]
         self._pending: dict[tuple[str, Any], Future] = {}  # asked for by warmup(wait=False), not taken yet
-        self.stats = dict(compiles=0, compile_seconds=0.0)
+        self.stats = CompileStats()
 
     def _zero_state(self, pool: UnitPool) -> ServingState:
         slots, pages = len(pool.slots.v2p) - 1, len(pool.pages.v2p) - 1
@@ -259,7 +260,7 @@ class StepRunner:
     def _program(self, kind: str, key: Any) -> Any:
         """This engine's program of that kind and key: its own, the one warmup asked for, or
         one made now; the wait for a step not in the process's table counts in
-        stats["compile_seconds"]."""
+        stats.compile_seconds."""
         table = self._programs[kind]
         fn = table.get(key)
         if fn is None:
@@ -267,12 +268,12 @@ class StepRunner:
             future = self._pending.pop((kind, key), None) or self._requester(kind, key)(background=False)
             fn = table[key] = future.result()
             if kind == "step" and getattr(future, "source", None) != "memory":
-                self.stats["compile_seconds"] += time.perf_counter() - t0
+                self.stats.compile_seconds += time.perf_counter() - t0
         return fn
 
     def compiled_step(self, shape: StepShape):
         if shape not in self.compiled:
-            self.stats["compiles"] += 1  # executables this engine needed (table and disk cache hits included)
+            self.stats.compiles += 1
         return self._program("step", shape)
 
     def _request_step(self, shape: StepShape, background: bool) -> Future:

@@ -44,3 +44,11 @@ class EngineStats:
         out["mean_accept_length"] = (self.accepted_draft_tokens + rows) / rows if rows else 0.0  # bonus included
         out["depth_acceptance"] = [a / rows if rows else 0.0 for a in out.pop("accepted_at_depth")]
         return out
+
+
+@dataclass
+class CompileStats:
+    """The step programs an engine needed (`StepRunner.stats`; `Engine.stats()` merges them)."""
+
+    compiles: int = 0  # step executables this engine needed (table and disk cache hits included)
+    compile_seconds: float = 0.0  # waiting for steps not in the process's table (loads and compiles)
