@@ -15,6 +15,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0")
 
 # first: jaxtyping's hook instruments the library's modules as they are imported
+import runtime_types
 from runtime_types import TYPECHECKED
 
 import jax
@@ -210,7 +211,8 @@ def _free_compiled_programs():
 
 
 def pytest_report_header(config):
-    return f"annotations checked at run time (jaxtyping + beartype): {'on' if TYPECHECKED else 'off'}"
+    scope = ", ".join(runtime_types.packages()) if TYPECHECKED else "off"
+    return f"annotations checked at run time (jaxtyping + beartype): {scope}"
 
 
 # ------------------------------------------------ one executable cache per test run

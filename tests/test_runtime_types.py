@@ -9,7 +9,7 @@ from runtime_types import TYPECHECKED
 
 from inkling_jax.model import layers as L
 
-pytestmark = pytest.mark.skipif(not TYPECHECKED, reason="INKLING_TESTS_TYPECHECK=1 not set")
+pytestmark = pytest.mark.skipif(not TYPECHECKED, reason="INKLING_TESTS_TYPECHECK=0")
 
 
 def test_shape_that_contradicts_the_annotation_fails():
