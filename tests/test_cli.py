@@ -77,7 +77,8 @@ def test_generate_prints_completions_and_stats(capsys, tmp_path):
 def test_default_model_writes_english_like_text(capsys):
     """`make run`: the shipped trained model on the built-in prompts; with --spec-steps 2 its
     MTP heads accept drafts (mean accept length >= 1.8, bonus included)."""
-    out = run_cli(capsys, ["--max-new-tokens", "48", "--spec-steps", "2", "--no-progress", "--no-stream"])
+    out = run_cli(capsys, ["--max-new-tokens", "48", "--spec-steps", "2", "--no-progress", "--no-stream",
+                           "--no-warmup"])
     assert "model shakespeare" in out
     text = "".join(eval(t) for t in completions(out))  # the printed reprs
     letters = sum(c.isalpha() or c in " \n.,;:!?'-" for c in text)
@@ -95,7 +96,7 @@ def test_stream_prints_the_batch_text_as_it_comes(capsys):
     flags = ["--model", "tiny", "--max-new-tokens", "8", "--max-running", "2", "--ignore-eos", "--no-progress",
              "--prompt", "abc", "defg", "--n", "2", "--temperature", "0.9", "--min-p", "0.01",
              "--repetition-penalty", "1.2", "--presence-penalty", "0.3", "--frequency-penalty", "0.1",
-             "--logit-bias", "65=1.5", "--min-tokens", "1", "--logprobs", "2"]
+             "--logit-bias", "65=1.5", "--min-tokens", "1", "--logprobs", "2", "--no-warmup"]
     batch = run_cli(capsys, flags + ["--no-stream"])
     streamed = run_cli(capsys, flags)
     texts = [eval(t) for t in completions(batch)]
@@ -170,8 +171,10 @@ def test_bad_model_files_are_one_line(capsys, tmp_path, contents):
 
 # ------------------------------------------------------------------ mesh and several processes
 
+# --no-warmup: these runs check meshes and processes, not the warm-up (test_generate_prints_completions_and_stats
+# runs the CLI's background warm-up; test_programs.py checks warmup(wait=False) itself)
 MESH_FLAGS = ["--prompt", *PROMPTS[:2], "--max-new-tokens", "4", "--max-running", "1", "--page-size", "4",
-              "--ignore-eos", "--no-progress", "--no-stream"]
+              "--ignore-eos", "--no-progress", "--no-stream", "--no-warmup"]
 
 
 def test_mesh_flags_on_one_process(capsys, monkeypatch):
@@ -224,7 +227,7 @@ def test_two_processes_on_localhost(capsys):
         port = s.getsockname()[1]
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_backend_optimization_level=0")
-    argv = [sys.executable, "-m", "inkling_jax.cli", *MESH_FLAGS, "--no-warmup", "--tp", "2",
+    argv = [sys.executable, "-m", "inkling_jax.cli", *MESH_FLAGS, "--tp", "2",
             "--coordinator", f"localhost:{port}", "--num-processes", "2"]
     procs = [subprocess.Popen([*argv, "--process-id", str(i)], cwd=repo, env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for i in range(2)]

@@ -139,9 +139,12 @@ def test_compiled_step_replayed_after_slot_moves(trunk_params):
 
 def test_sliding_memory_is_bounded(trunk_params):
     """Over a long generation a request's slots (conv windows + sliding K/V ring) stay
-    fixed while its full-attention pages grow with length."""
+    fixed while its full-attention pages grow with length. (3 + 56 tokens: seven windows of 8
+    and 15 pages, inside the 64-token context bucket the other tests compile: a longer run
+    compiled steps of another bucket for this test alone.)"""
     engine = make_engine(trunk_params, max_running=1, prefix_cache=False)
-    engine.submit([[5, 6, 7]], ik.SamplingParams(max_new_tokens=120, stop_at_eos=False))
+    new_tokens = 56
+    engine.submit([[5, 6, 7]], ik.SamplingParams(max_new_tokens=new_tokens, stop_at_eos=False))
     slots, pages = [], []
     while engine.running or engine.waiting:
         engine.step()
@@ -149,7 +152,8 @@ def test_sliding_memory_is_bounded(trunk_params):
             slots.append(engine.stats()["live_slots"])
             pages.append(engine.stats()["live_pages"])
     assert set(slots) == {1}  # one slot: conv windows and a ring of window + spec rows
-    assert pages[-1] >= 120 // ENGINE_KW["page_size"] and pages == sorted(pages)
+    assert pages[-1] >= new_tokens // ENGINE_KW["page_size"] and pages == sorted(pages)
+    assert len(set(pages)) > 10  # the pages really grew
     lay = engine.layout
     assert lay.ring == TRUNK.sliding_window  # per-request sliding K/V is window-bounded
     engine.check_invariants()
