@@ -15,6 +15,7 @@ import warnings
 import weakref
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -200,7 +201,7 @@ def test_a_patched_library_global_gets_its_own_program(monkeypatch, tmp_path):
     is not stored on disk; undone, the cached program serves again."""
     from inkling_jax.model import layers
 
-    w = np.ones(8, np.float32)
+    w = jnp.ones(8, jnp.float32)  # (rms_norm takes a jax Array: the run-time checks hold it to that)
     make = lambda: jax.jit(lambda x: layers.rms_norm(x, w, 1e-6))
     args = (np.ones((2, 8), np.float32),)
     cached = programs.get("test_norm", {}, make, args, cache=str(tmp_path))
