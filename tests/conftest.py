@@ -297,3 +297,37 @@ def verify_triton_modules(monkeypatch):
 
     monkeypatch.setattr(reg.lowering, "lower_jaxpr_to_triton_module", checked)
     yield verified
+
+
+# --------------------------------------- xdist --dist loadfile: the longest files first
+
+# With `--dist loadfile` (make test) a file runs whole on one worker, and xdist queues the
+# files with the most tests first: the 8-device mesh subprocess, the notebooks and the fuzz
+# run (few tests, minutes each) came last, and one worker ran them alone while the other
+# idled. Longest first (then xdist's order) balances the two workers. Measured with
+# --durations on 2 workers; a file missing here only runs later, nothing is skipped.
+LONGEST_FILES = ("test_mesh_engine.py", "test_engine.py", "test_notebooks.py", "test_programs.py",
+                 "test_fuzz_modes.py", "test_spec.py", "test_kernels.py", "test_conv_norm_kernel.py",
+                 "test_cli.py", "test_prefix_cache.py", "test_model.py", "test_processors.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Items grouped by file: LONGEST_FILES in that order, then the rest with the most tests
+    first (xdist's own order); a file's items keep their order."""
+    import collections
+
+    counts = collections.Counter(item.path.name for item in items)
+    rank = {name: i for i, name in enumerate(LONGEST_FILES)}
+    first = {}
+    for i, item in enumerate(items):
+        first.setdefault(item.path, i)
+    items.sort(key=lambda item: (rank.get(item.path.name, len(rank)), -counts[item.path.name], first[item.path]))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """--dist loadfile keeps the collection's file order (pytest_collection_modifyitems)
+    instead of re-sorting the files by their number of tests."""
+    if config.getvalue("dist") == "loadfile":
+        config.option.loadscopereorder = False
+    return None  # xdist's own scheduler for the mode
