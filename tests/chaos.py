@@ -23,8 +23,7 @@ from collections import deque
 
 import numpy as np
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0")
+import cpu_flags  # noqa: F401 - beside this script; sets XLA_FLAGS before jax is imported
 
 import inkling_jax as ik  # noqa: E402
 

@@ -9,10 +9,7 @@ import os
 import shutil
 import tempfile
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# The suite is dominated by XLA:CPU compiles of small programs; LLVM's backend optimisations
-# roughly double compile time and buy nothing at these sizes.
-os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0")
+import cpu_flags  # first: sets XLA_FLAGS (compile faster) before jax is imported
 
 # first: jaxtyping's hook instruments the library's modules as they are imported
 import runtime_types
@@ -266,8 +263,7 @@ def run_on_mesh_devices(test_file: str) -> None:
     if len(jax.devices()) >= MESH_DEVICES:
         pytest.skip("this process has 8 devices: the test_on_mesh_* tests ran directly")
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS=f"--xla_force_host_platform_device_count={MESH_DEVICES} --xla_backend_optimization_level=0")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=cpu_flags.with_devices(MESH_DEVICES))
     run = subprocess.run([sys.executable, "-m", "pytest", "-o", "addopts=", "-q", "-x", "-p", "no:cacheprovider",
                           "-k", "on_mesh", os.path.abspath(test_file)],
                          cwd=repo, env=env, capture_output=True, text=True, timeout=600)

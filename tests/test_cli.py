@@ -11,6 +11,8 @@ import pytest
 import inkling_jax as ik
 from inkling_jax import cli
 
+import cpu_flags
+
 SHARED = "The short convolution keeps a window of the last few inputs; "
 PROMPTS = [SHARED + "what else?", "Attention with a sliding window", SHARED + "what else?"]
 # max_running 1: requests run one after another, so the repeat is served from the prefix cache
@@ -226,7 +228,7 @@ def test_two_processes_on_localhost(capsys):
         s.bind(("localhost", 0))
         port = s.getsockname()[1]
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_backend_optimization_level=0")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=cpu_flags.TEST_XLA_FLAGS)
     argv = [sys.executable, "-m", "inkling_jax.cli", *MESH_FLAGS, "--tp", "2",
             "--coordinator", f"localhost:{port}", "--num-processes", "2"]
     procs = [subprocess.Popen([*argv, "--process-id", str(i)], cwd=repo, env=env, stdout=subprocess.PIPE,

@@ -23,6 +23,7 @@ import inkling_jax as ik
 from inkling_jax import cli, programs
 from inkling_jax.compile_cache import EXECUTABLE_CACHE_ENV, ExecutableCacheWarning, ExecutableStore
 
+import cpu_flags
 from conftest import count_xla_compiles, make_engine
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -367,7 +368,7 @@ def test_programs_load_onto_their_own_devices(tmp_path):
     """On a host of four devices, a program without arguments (one device) and one over all
     four are stored, then loaded by a second process onto the same devices each."""
     env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu",
-               XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4")
+               XLA_FLAGS=cpu_flags.with_devices(4))
     loaded = []
     for _ in range(2):
         run = subprocess.run([sys.executable, "-c", ON_FOUR, str(tmp_path)], env=env, capture_output=True,
