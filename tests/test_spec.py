@@ -347,3 +347,131 @@ def test_drafts_hook_of_the_wrong_length_fails_its_request_alone(spec_params):
     assert out[1].tokens == plain.generate([prompts[1]], sp)[0].tokens
     engine.check_invariants()
     assert engine.pool.live_count("slot") == len(engine.tree.owned()[0])
+
+
+# ------------------------------------------------ several verify rounds per dispatch
+
+
+def echo_model(params):
+    """SPEC_CFG's params made into a model whose MTP heads draft well (random ones never do):
+    every block's output projections scaled by 0.1, so the next token depends mostly on the
+    current one, each depth's input projection reading its token's embedding alone (the
+    identity on it, zero on the hidden state), so depth d predicts what the target will after
+    the token it reads, and the unembedding scaled by 30, so sampled rows accept drafts too.
+    Measured on ROUND_PROMPTS at spec_steps 3: 2.6 tokens per round greedy (depth acceptance
+    0.8 / 0.4 / 0.4), 3.0 at temperature 1; every accept length occurs."""
+    def quiet(block):
+        mlp = {k: v * 0.1 if k in ("w2", "shared_w2") else v for k, v in block["mlp"].items()}
+        return {**block, "attn": {**block["attn"], "wo": block["attn"]["wo"] * 0.1}, "mlp": mlp}
+
+    h = SPEC_CFG.hidden_size
+    assert SPEC_CFG.mtp_hidden_states_first  # input_proj's rows: the hidden state's, then the embedding's
+    depths = [{**d, "block": quiet(d["block"]),
+               "input_proj": np.concatenate([np.zeros((h, h), np.float32), np.eye(h, dtype=np.float32)])}
+              for d in params["mtp"]["layers"]]
+    return {**params, "layers": [quiet(b) for b in params["layers"]], "mtp": {**params["mtp"], "layers": depths},
+            "unembed": params["unembed"] * 30}
+
+
+@pytest.fixture(scope="module")
+def echo_params(spec_params):
+    return echo_model(spec_params)
+
+
+ROUND_PROMPTS = prompts_from(40, (5, 19, 11))
+ROUNDS_ATOL = 1e-5  # float32 rounding of a differently fused program (the tokens are compared exactly)
+
+
+def run_rounds(params, rounds: int, sampling, interval: int = 8, plans: list | None = None):
+    """spec_steps 3, `rounds` model steps per dispatch (verify rounds): generate ROUND_PROMPTS,
+    then their completions cut short plus a token as new prompts (hits on the generation
+    checkpoints the verify rounds wrote), then a two-turn session; invariants after each call,
+    and no finished request's state holds a token past its output (the device stops a row at
+    its stop token and its budget). Returns (engine, the completions, the session's slot).
+    `plans` collects each verify row's (committed, rounds planned, tokens left)."""
+    engine = spec_engine(params, 3, decode_steps=rounds, track_interval=interval)
+    plan, commit = engine.scheduler.plan, engine.scheduler.commit
+
+    def recording_plan(*args, **kwargs):
+        p = plan(*args, **kwargs)
+        if plans is not None and p is not None and p.mode == "verify":
+            plans.extend((r.committed, row.num_steps, row.tokens_left) for r, row in zip(p.requests, p.rows))
+        return p
+
+    def checked_commit(p, out):
+        finished = commit(p, out)
+        assert all(len(r.tokens) == r.output_end for r in finished), "state committed past a stop"
+        return finished
+
+    engine.scheduler.plan, engine.scheduler.commit = recording_plan, checked_commit
+    first = engine.generate(ROUND_PROMPTS, sampling)
+    engine.check_invariants()
+    grown = [p + c.tokens[:len(c.tokens) - 3] + [7] for p, c in zip(ROUND_PROMPTS, first)]
+    second = engine.generate(grown, sampling)
+    engine.check_invariants()
+    sid = engine.open_session()
+    turns = [engine.generate([ROUND_PROMPTS[1]], sampling, session=sid)[0],
+             engine.generate([[9, 8, 7, 6]], sampling, session=sid)[0]]
+    engine.check_invariants()
+    return engine, first + second + turns, engine.read_slot(engine.sessions[sid].held.virtual_slot)
+
+
+def same_completions(got, want):
+    assert [c.tokens for c in got] == [c.tokens for c in want]
+    assert [c.finish_reason for c in got] == [c.finish_reason for c in want]
+    assert [c.cached_tokens for c in got] == [c.cached_tokens for c in want]
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g.logprobs, w.logprobs, rtol=0, atol=ROUNDS_ATOL)
+        if w.top_logprobs is not None:
+            assert [[t for t, _ in top] for top in g.top_logprobs] == [[t for t, _ in top] for top in w.top_logprobs]
+            np.testing.assert_allclose([[lp for _, lp in top] for top in g.top_logprobs],
+                                       [[lp for _, lp in top] for top in w.top_logprobs], rtol=0, atol=ROUNDS_ATOL)
+
+
+@pytest.mark.parametrize("sampling", [
+    ik.SamplingParams(max_new_tokens=13, stop_at_eos=False, logprobs=2),
+    ik.SamplingParams(max_new_tokens=14, temperature=1.0, top_k=40, seed=5, presence_penalty=0.5, stop_at_eos=False),
+], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("rounds, interval", [(2, 8), (4, 8), (4, 16)])
+def test_verify_rounds_equal_one_round(echo_params, sampling, rounds, interval):
+    """R verify rounds per dispatch (decode_steps = R with the MTP heads' drafts) give exactly
+    the tokens, finish reasons and cache hits of one round per dispatch, log-probs and top
+    alternatives within float32 rounding, and a session's slot alike: budgets land mid-round
+    and mid-dispatch, the grown prompts hit generation checkpoints the rounds wrote, sampled
+    rows draw as they do round by round (keys fold in positions), presence penalties count
+    every round's tokens. With interval 8 a row's dispatch stops at the last round that
+    cannot reach its second checkpoint boundary (2 or 3 rounds of at most 4 tokens)."""
+    _, want, want_slot = run_rounds(echo_params, 1, sampling, interval)
+    plans = []
+    engine, got, slot = run_rounds(echo_params, rounds, sampling, interval, plans)
+    same_completions(got, want)
+    assert sum(c.cached_tokens for c in got[3:6]) > 0
+    assert slot.keys() == want_slot.keys()
+    for key in slot:
+        np.testing.assert_allclose(slot[key], want_slot[key], rtol=0, atol=STATE_ATOL, err_msg=key)
+    st = engine.stats()
+    assert st["multi_round_verify_steps"] > 0 and st["accepted_draft_tokens"] > 0
+    most = [min(rounds, left, (interval - c % interval + interval - 1) // 4) for c, _, left in plans]
+    assert [n for _, n, _ in plans] == most
+    assert any(n == rounds for n in most) == (interval > 8 or rounds == 2)
+
+
+def test_stop_tokens_inside_verify_rounds(echo_params):
+    """Stop tokens accepted among the drafts or sampled as a round's bonus, in any round of a
+    dispatch, end the request there: the rounds after it never run (no state past the stop:
+    `run_rounds` checks it), min_tokens suppresses a stop id until its out_len, which advances
+    round by round; tokens, finish reasons, cache hits and the session's slot are those of one
+    round per dispatch."""
+    free = run_rounds(echo_params, 1, ik.SamplingParams(max_new_tokens=13, stop_at_eos=False), 16)[1]
+    # stops the plain run meets at or just past min_tokens: in a dispatch's later rounds (its
+    # first round commits output indices 1..4 at most)
+    stops = sorted({c.tokens[k] for c in free for k in (6, 7)})
+    sampling = ik.SamplingParams(max_new_tokens=13, stop_at_eos=False, stop_token_ids=tuple(stops), min_tokens=6)
+    _, want, want_slot = run_rounds(echo_params, 1, sampling, 16)
+    assert {"stop", "length"} <= {c.finish_reason for c in want}
+    plans = []
+    engine, got, slot = run_rounds(echo_params, 4, sampling, 16, plans)
+    same_completions(got, want)
+    for key in slot:
+        np.testing.assert_allclose(slot[key], want_slot[key], rtol=0, atol=STATE_ATOL, err_msg=key)
+    assert engine.stats()["multi_round_verify_steps"] > 0
