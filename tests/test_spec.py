@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import inkling_jax as ik
-from conftest import ENGINE_KW
+from conftest import ENGINE_KW, echo_model
 
 # Two trunk layers (a sliding dense one and a full MoE one) and three MTP depths, the middle
 # one banded: every kind of draft state, at half the compile time of the tiny preset.
@@ -352,30 +352,11 @@ def test_drafts_hook_of_the_wrong_length_fails_its_request_alone(spec_params):
 # ------------------------------------------------ several verify rounds per dispatch
 
 
-def echo_model(params):
-    """SPEC_CFG's params made into a model whose MTP heads draft well (random ones never do):
-    every block's output projections scaled by 0.1, so the next token depends mostly on the
-    current one, each depth's input projection reading its token's embedding alone (the
-    identity on it, zero on the hidden state), so depth d predicts what the target will after
-    the token it reads, and the unembedding scaled by 30, so sampled rows accept drafts too.
-    Measured on ROUND_PROMPTS at spec_steps 3: 2.6 tokens per round greedy (depth acceptance
-    0.8 / 0.4 / 0.4), 3.0 at temperature 1; every accept length occurs."""
-    def quiet(block):
-        mlp = {k: v * 0.1 if k in ("w2", "shared_w2") else v for k, v in block["mlp"].items()}
-        return {**block, "attn": {**block["attn"], "wo": block["attn"]["wo"] * 0.1}, "mlp": mlp}
-
-    h = SPEC_CFG.hidden_size
-    assert SPEC_CFG.mtp_hidden_states_first  # input_proj's rows: the hidden state's, then the embedding's
-    depths = [{**d, "block": quiet(d["block"]),
-               "input_proj": np.concatenate([np.zeros((h, h), np.float32), np.eye(h, dtype=np.float32)])}
-              for d in params["mtp"]["layers"]]
-    return {**params, "layers": [quiet(b) for b in params["layers"]], "mtp": {**params["mtp"], "layers": depths},
-            "unembed": params["unembed"] * 30}
-
-
 @pytest.fixture(scope="module")
 def echo_params(spec_params):
-    return echo_model(spec_params)
+    """A model whose MTP heads draft well (`conftest.echo_model`), its distributions sharp
+    enough for sampled rows to accept drafts (unembed x 30)."""
+    return echo_model(SPEC_CFG, spec_params, unembed_scale=30)
 
 
 ROUND_PROMPTS = prompts_from(40, (5, 19, 11))
