@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import inkling_jax as ik
+from inkling_jax.steps import StepShape
 from conftest import ENGINE_KW, echo_model
 
 # Two trunk layers (a sliding dense one and a full MoE one) and three MTP depths, the middle
@@ -456,3 +457,23 @@ def test_stop_tokens_inside_verify_rounds(echo_params):
     for key in slot:
         np.testing.assert_allclose(slot[key], want_slot[key], rtol=0, atol=STATE_ATOL, err_msg=key)
     assert engine.stats()["multi_round_verify_steps"] > 0
+
+
+def test_drafts_hook_keeps_one_round_per_dispatch(echo_params):
+    """With a drafts_for hook (a subclass's, or one set on the instance) every verify dispatch
+    is one round, whatever decode_steps (the hook must see each round's drafts; rounds after
+    the first would check the device's own): its shapes, warmup's buckets included, have
+    steps = 1, and the tokens are the MTP drafts' engine's. Only extend shapes may not loop."""
+    sp = ik.SamplingParams(max_new_tokens=9, stop_at_eos=False)
+    want = spec_engine(echo_params, 3, decode_steps=4).generate(ROUND_PROMPTS, sp)
+    hooked = spec_engine(echo_params, 3, script=lambda r, proposed: proposed, decode_steps=4)
+    assert {s.steps for s in hooked.runner.all_shapes() if s.mode == "verify"} == {1}
+    patched = spec_engine(echo_params, 3, decode_steps=4)
+    patched.drafts_for = lambda r: list(r.drafts)
+    for engine in (hooked, patched):
+        assert [c.tokens for c in engine.generate(ROUND_PROMPTS, sp)] == [c.tokens for c in want]
+        assert engine.stats()["verify_steps"] > 0 and engine.stats()["multi_round_verify_steps"] == 0
+        assert {s.steps for s in engine.runner.compiled if s.mode == "verify"} == {1}
+    assert StepShape("verify", 2, 8, 4, 16, steps=4).steps == 4
+    with pytest.raises(ValueError, match="only decode and verify dispatches run several steps"):
+        StepShape("extend", 2, 16, 8, 16, steps=2)
