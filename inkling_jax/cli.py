@@ -330,7 +330,7 @@ def format_stats(res: RunResult, num_prompt_tokens: int, warmup_s: float, spec_s
     ttft = res.ttft_s
     cached = sum(c.cached_tokens for c in res.completions)
     if spec_steps:
-        accept = f"{s['mean_accept_length']:.2f} tokens per verify ({s.get('verify_steps', 0)} verify steps"
+        accept = f"{s['mean_accept_length']:.2f} tokens per verify round ({s.get('verify_steps', 0)} verify dispatches"
         if s.get("depth_acceptance"):
             accept += ", acceptance by depth " + " ".join(f"{a:.2f}" for a in s["depth_acceptance"])
         accept += ")"

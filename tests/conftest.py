@@ -98,6 +98,28 @@ ENGINE_KW = dict(max_running=2, num_slots=16, num_pages=64, page_size=4, track_i
                  max_step_tokens=16, min_context_bucket=64, min_batch_bucket=2)
 
 
+def echo_model(cfg: ik.InklingConfig, params, unembed_scale: float = 1.0):
+    """cfg's params made into a model whose MTP heads draft well (random ones almost never
+    do): every block's output projections scaled by 0.1, so the next token depends mostly on
+    the current one, and each depth's input projection reading its token's embedding alone
+    (the identity on it, zero on the hidden state), so depth d predicts what the target will
+    after the token it reads. `unembed_scale` sharpens the distributions (sampled rows then
+    accept drafts too). Measured on SPEC_CFG (test_spec.py) at spec_steps 3: 2.6 to 2.9 tokens
+    per greedy round (depth acceptance about 0.8 / 0.5 / 0.45), 3.0 at temperature 1 with
+    unembed_scale 30; every accept length occurs."""
+    def quiet(block):
+        mlp = {k: v * 0.1 if k in ("w2", "shared_w2") else v for k, v in block["mlp"].items()}
+        return {**block, "attn": {**block["attn"], "wo": block["attn"]["wo"] * 0.1}, "mlp": mlp}
+
+    h = cfg.hidden_size
+    assert cfg.mtp_hidden_states_first  # input_proj's rows: the hidden state's, then the embedding's
+    depths = [{**d, "block": quiet(d["block"]),
+               "input_proj": np.concatenate([np.zeros((h, h), np.float32), np.eye(h, dtype=np.float32)])}
+              for d in params["mtp"]["layers"]]
+    return {**params, "layers": [quiet(b) for b in params["layers"]], "mtp": {**params["mtp"], "layers": depths},
+            "unembed": params["unembed"] * unembed_scale}
+
+
 @pytest.fixture(scope="session")
 def trunk_params():
     import jax

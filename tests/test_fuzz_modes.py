@@ -1,7 +1,8 @@
 """Differential fuzz of every engine mode against the plain engine (issue 37).
 
 Hypothesis draws an engine mode (speculation 0-3 with the MTP chain's drafts or oracle drafts
-corrupted at a random depth, multi-step decode 1-4, overlap, prefix cache off / eager / lazy,
+corrupted at a random depth, multi-step decode 1-4 (with the MTP chain's drafts, verify rounds
+per dispatch too: `steps/verify_loop.py`), overlap, prefix cache off / eager / lazy,
 unified / static pool, max_running, chunk_size, max_step_tokens, page_size, track_interval)
 and a schedule: batches of requests (shared prefixes, prompt lengths, new-token counts, greedy
 or sampled, stop tokens, stop strings, logits processors (penalties, logit bias, min_p,
@@ -15,8 +16,12 @@ prefix of it; a session's history is exactly its prompts and outputs (a stop str
 included); `check_invariants()` holds after every call. (The plain engine's processors are
 checked against HF's classes in `test_processors.py`.)
 
+Modes with the MTP chain's drafts serve `conftest.echo_model`'s params (random MTP heads almost
+never draft a token the target takes; these accept every length), checked against a plain
+engine on the same params.
+
 Default run: `DEFAULT_EXAMPLES` draws for each of the `ANCHORS` (speculation depth, decode
-steps, overlap, prefix cache fixed; every other knob and the schedule drawn), derandomized:
+steps, drafts source, overlap, prefix cache fixed; every other knob and the schedule drawn), derandomized:
 the same draws on every run; engines built per example, compiled programs shared across
 examples by the process-wide program cache. `INKLING_FUZZ_EXAMPLES=50` (draws per anchor)
 and `INKLING_FUZZ_SEED` (other draws) run longer.
@@ -37,6 +42,8 @@ from hypothesis import strategies as st
 import inkling_jax as ik
 from inkling_jax.tokenizer import ByteTokenizer
 
+from conftest import echo_model
+
 # two trunk layers (sliding dense, full MoE) and three MTP depths (the middle one banded): the
 # cheapest model with every kind of target and draft state
 CFG = ik.InklingConfig.tiny(num_layers=2, local_layer_ids=(0,), dense_layer_ids=(0,), num_mtp_layers=3,
@@ -56,8 +63,7 @@ def params():
     return ik.init_params(CFG, jax.random.key(3), std=0.1)
 
 
-@pytest.fixture(scope="module")
-def plain(params):
+def plain_oracle(params):
     """The oracle: one step per dispatch, no speculation, no prefix cache; each history alone."""
     engine = ik.Engine(CFG, params, ik.EngineConfig(max_running=1, num_slots=4, num_pages=32, page_size=4,
                                                     track_interval=8, chunk_size=16, max_step_tokens=16,
@@ -74,16 +80,33 @@ def plain(params):
     return run
 
 
+@pytest.fixture(scope="module")
+def plain(params):
+    return plain_oracle(params)
+
+
+@pytest.fixture(scope="module")
+def echo_params(params):
+    """The params of modes with the MTP chain's drafts (module docstring)."""
+    return echo_model(CFG, params)
+
+
+@pytest.fixture(scope="module")
+def echo_plain(echo_params):
+    return plain_oracle(echo_params)
+
+
 # ------------------------------------------------------------------ the draws
 
-# Each default run covers these anchors (speculation, decode steps, overlap, prefix cache); the
-# other knobs and the schedules are drawn. An anchor's None is drawn too.
-ANCHORS = [dict(spec_steps=0, decode_steps=4, overlap=True, cache="eager"),
-           dict(spec_steps=0, decode_steps=3, overlap=False, cache="lazy"),
-           dict(spec_steps=0, decode_steps=1, overlap=False, cache=None),
-           dict(spec_steps=1, decode_steps=None, overlap=False, cache="lazy"),
-           dict(spec_steps=2, decode_steps=None, overlap=False, cache="eager"),
-           dict(spec_steps=3, decode_steps=None, overlap=False, cache="off")]
+# Each default run covers these anchors (speculation, decode steps, drafts: the MTP chain's or
+# oracle ones, overlap, prefix cache); the other knobs and the schedules are drawn. An anchor's
+# None is drawn too. spec2-K4-mtp: verify dispatches of 4 rounds (the MTP chain's drafts).
+ANCHORS = [dict(spec_steps=0, decode_steps=4, drafts=None, overlap=True, cache="eager"),
+           dict(spec_steps=0, decode_steps=3, drafts=None, overlap=False, cache="lazy"),
+           dict(spec_steps=0, decode_steps=1, drafts=None, overlap=False, cache=None),
+           dict(spec_steps=1, decode_steps=None, drafts=None, overlap=False, cache="lazy"),
+           dict(spec_steps=2, decode_steps=4, drafts="mtp", overlap=False, cache="eager"),
+           dict(spec_steps=3, decode_steps=None, drafts=None, overlap=False, cache="off")]
 
 
 @st.composite
@@ -259,16 +282,19 @@ def run_schedule(engine: ik.Engine, plain, schedule: list[dict], bases: list[lis
 
 
 @pytest.mark.parametrize("anchor", ANCHORS, ids=lambda a: "spec{spec_steps}-K{decode_steps}-{cache}".format(**a)
-                         + ("-overlap" if a["overlap"] else ""))
+                         + (f"-{a['drafts']}" if a["drafts"] else "") + ("-overlap" if a["overlap"] else ""))
 @settings(max_examples=EXAMPLES, deadline=None, derandomize=SEED is None, database=None,
           suppress_health_check=list(HealthCheck), print_blob=True)
 @given(data=st.data(), schedule=schedules(), oracle_drafts=st.booleans(), seed=st.integers(0, 2**16))
-def test_every_mode_matches_the_plain_engine(params, plain, anchor, data, schedule, oracle_drafts, seed):
+def test_every_mode_matches_the_plain_engine(params, plain, echo_params, echo_plain, anchor, data, schedule,
+                                            oracle_drafts, seed):
     mode = data.draw(modes(anchor), label="mode")
     rng = np.random.RandomState(seed)
     bases = [list(rng.randint(3, VOCAB, 28)) for _ in range(3)]
     config = ik.EngineConfig(**mode)
-    oracle = bool(mode["spec_steps"]) and oracle_drafts
+    oracle = bool(mode["spec_steps"]) and (oracle_drafts if anchor["drafts"] is None else anchor["drafts"] == "oracle")
+    if mode["spec_steps"] and not oracle:  # the MTP chain's drafts: a model whose heads draft well
+        params, plain = echo_params, echo_plain
     engine = OracleDrafts(CFG, params, config, truth={}, rng=rng, tokenizer=TOKENIZER) if oracle else \
         ik.Engine(CFG, params, config, tokenizer=TOKENIZER)
     run_schedule(engine, plain, schedule, bases, oracle)
@@ -276,11 +302,15 @@ def test_every_mode_matches_the_plain_engine(params, plain, anchor, data, schedu
     COVERAGE["modes"] += 1
     COVERAGE["batches"] += len(schedule)
     COVERAGE["verify steps"] += s["verify_steps"]
+    COVERAGE["multi-round verify steps"] += s["multi_round_verify_steps"]
+    multi_round = bool(mode["spec_steps"]) and not oracle and mode["decode_steps"] > 1
+    COVERAGE["modes with multi-round verify"] += multi_round
     COVERAGE["accepted drafts"] += s["accepted_draft_tokens"]
     COVERAGE["overlapped dispatches"] += s["overlapped_dispatches"]
     COVERAGE["compaction moves"] += s["compaction_moves"]
     COVERAGE["cache hit tokens"] += s["cache_hit_tokens"]
-    COVERAGE[f"spec {mode['spec_steps']}"] += 1
+    COVERAGE[f"spec {mode['spec_steps']}" + (" oracle drafts" if oracle else " mtp drafts" if mode["spec_steps"]
+                                             else "")] += 1
     COVERAGE[f"K {mode['decode_steps']}{' overlap' if mode['overlap'] else ''}"] += 1
     COVERAGE["cache " + ("off" if not mode["prefix_cache"] else mode["ping_pong"]) + " " + mode["pool"]] += 1
     assert not engine.running and not engine.waiting
@@ -291,3 +321,5 @@ def test_fuzz_coverage_report():
     print("fuzz coverage:", dict(sorted(COVERAGE.items())))
     if COVERAGE:
         assert COVERAGE["modes"] >= len(ANCHORS) and COVERAGE["tokens checked"] > 0
+        if COVERAGE["modes with multi-round verify"]:
+            assert COVERAGE["multi-round verify steps"] > 0

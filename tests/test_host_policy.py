@@ -258,6 +258,7 @@ def test_random_schedules_in_every_mode(mode, seed):
     COVERAGE.update(figures)
     COVERAGE["modes"] += 1
     COVERAGE["verify steps"] += s["verify_steps"]
+    COVERAGE["multi-round verify steps"] += s["multi_round_verify_steps"]
     COVERAGE["accepted drafts"] += s["accepted_draft_tokens"]
     COVERAGE["cache hit tokens"] += s["cache_hit_tokens"]
     COVERAGE["compaction moves"] += s["compaction_moves"]
@@ -314,6 +315,7 @@ def test_coverage_report():
     print("host fuzz coverage:", dict(sorted(COVERAGE.items())))
     if COVERAGE:
         assert COVERAGE["tokens"] > 0 and COVERAGE["cache hit tokens"] > 0 and COVERAGE["accepted drafts"] > 0
+        assert COVERAGE["multi-round verify steps"] > 0
         assert COVERAGE["stop strings matched"] and COVERAGE["forked samples"] and COVERAGE["penalized"]
     if COVERAGE["poisoned modes"]:
         assert COVERAGE["failed requests"] > 0 and COVERAGE["turns after a failed turn"] > 0

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 import inkling_jax as ik
-from conftest import ENGINE_KW
+from inkling_jax.steps import StepShape
+from conftest import ENGINE_KW, echo_model
 
 # Two trunk layers (a sliding dense one and a full MoE one) and three MTP depths, the middle
 # one banded: every kind of draft state, at half the compile time of the tiny preset.
@@ -347,3 +348,132 @@ def test_drafts_hook_of_the_wrong_length_fails_its_request_alone(spec_params):
     assert out[1].tokens == plain.generate([prompts[1]], sp)[0].tokens
     engine.check_invariants()
     assert engine.pool.live_count("slot") == len(engine.tree.owned()[0])
+
+
+# ------------------------------------------------ several verify rounds per dispatch
+
+
+@pytest.fixture(scope="module")
+def echo_params(spec_params):
+    """A model whose MTP heads draft well (`conftest.echo_model`), its distributions sharp
+    enough for sampled rows to accept drafts (unembed x 30)."""
+    return echo_model(SPEC_CFG, spec_params, unembed_scale=30)
+
+
+ROUND_PROMPTS = prompts_from(40, (5, 19, 11))
+ROUNDS_ATOL = 1e-5  # float32 rounding of a differently fused program (the tokens are compared exactly)
+
+
+def run_rounds(params, rounds: int, sampling, interval: int = 8, plans: list | None = None):
+    """spec_steps 3, `rounds` model steps per dispatch (verify rounds): generate ROUND_PROMPTS,
+    then their completions cut short plus a token as new prompts (hits on the generation
+    checkpoints the verify rounds wrote), then a two-turn session; invariants after each call,
+    and no finished request's state holds a token past its output (the device stops a row at
+    its stop token and its budget). Returns (engine, the completions, the session's slot).
+    `plans` collects each verify row's (committed, rounds planned, tokens left)."""
+    engine = spec_engine(params, 3, decode_steps=rounds, track_interval=interval)
+    plan, commit = engine.scheduler.plan, engine.scheduler.commit
+
+    def recording_plan(*args, **kwargs):
+        p = plan(*args, **kwargs)
+        if plans is not None and p is not None and p.mode == "verify":
+            plans.extend((r.committed, row.num_steps, row.tokens_left) for r, row in zip(p.requests, p.rows))
+        return p
+
+    def checked_commit(p, out):
+        finished = commit(p, out)
+        assert all(len(r.tokens) == r.output_end for r in finished), "state committed past a stop"
+        return finished
+
+    engine.scheduler.plan, engine.scheduler.commit = recording_plan, checked_commit
+    first = engine.generate(ROUND_PROMPTS, sampling)
+    engine.check_invariants()
+    grown = [p + c.tokens[:len(c.tokens) - 3] + [7] for p, c in zip(ROUND_PROMPTS, first)]
+    second = engine.generate(grown, sampling)
+    engine.check_invariants()
+    sid = engine.open_session()
+    turns = [engine.generate([ROUND_PROMPTS[1]], sampling, session=sid)[0],
+             engine.generate([[9, 8, 7, 6]], sampling, session=sid)[0]]
+    engine.check_invariants()
+    return engine, first + second + turns, engine.read_slot(engine.sessions[sid].held.virtual_slot)
+
+
+def same_completions(got, want):
+    assert [c.tokens for c in got] == [c.tokens for c in want]
+    assert [c.finish_reason for c in got] == [c.finish_reason for c in want]
+    assert [c.cached_tokens for c in got] == [c.cached_tokens for c in want]
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g.logprobs, w.logprobs, rtol=0, atol=ROUNDS_ATOL)
+        if w.top_logprobs is not None:
+            assert [[t for t, _ in top] for top in g.top_logprobs] == [[t for t, _ in top] for top in w.top_logprobs]
+            np.testing.assert_allclose([[lp for _, lp in top] for top in g.top_logprobs],
+                                       [[lp for _, lp in top] for top in w.top_logprobs], rtol=0, atol=ROUNDS_ATOL)
+
+
+@pytest.mark.parametrize("sampling", [
+    ik.SamplingParams(max_new_tokens=13, stop_at_eos=False, logprobs=2),
+    ik.SamplingParams(max_new_tokens=14, temperature=1.0, top_k=40, seed=5, presence_penalty=0.5, stop_at_eos=False),
+], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("rounds, interval", [(2, 8), (4, 8), (4, 16)])
+def test_verify_rounds_equal_one_round(echo_params, sampling, rounds, interval):
+    """R verify rounds per dispatch (decode_steps = R with the MTP heads' drafts) give exactly
+    the tokens, finish reasons and cache hits of one round per dispatch, log-probs and top
+    alternatives within float32 rounding, and a session's slot alike: budgets land mid-round
+    and mid-dispatch, the grown prompts hit generation checkpoints the rounds wrote, sampled
+    rows draw as they do round by round (keys fold in positions), presence penalties count
+    every round's tokens. With interval 8 a row's dispatch stops at the last round that
+    cannot reach its second checkpoint boundary (2 or 3 rounds of at most 4 tokens)."""
+    _, want, want_slot = run_rounds(echo_params, 1, sampling, interval)
+    plans = []
+    engine, got, slot = run_rounds(echo_params, rounds, sampling, interval, plans)
+    same_completions(got, want)
+    assert sum(c.cached_tokens for c in got[3:6]) > 0
+    assert slot.keys() == want_slot.keys()
+    for key in slot:
+        np.testing.assert_allclose(slot[key], want_slot[key], rtol=0, atol=STATE_ATOL, err_msg=key)
+    st = engine.stats()
+    assert st["multi_round_verify_steps"] > 0 and st["accepted_draft_tokens"] > 0
+    most = [min(rounds, left, (interval - c % interval + interval - 1) // 4) for c, _, left in plans]
+    assert [n for _, n, _ in plans] == most
+    assert any(n == rounds for n in most) == (interval > 8 or rounds == 2)
+
+
+def test_stop_tokens_inside_verify_rounds(echo_params):
+    """Stop tokens accepted among the drafts or sampled as a round's bonus, in any round of a
+    dispatch, end the request there: the rounds after it never run (no state past the stop:
+    `run_rounds` checks it), min_tokens suppresses a stop id until its out_len, which advances
+    round by round; tokens, finish reasons, cache hits and the session's slot are those of one
+    round per dispatch."""
+    free = run_rounds(echo_params, 1, ik.SamplingParams(max_new_tokens=13, stop_at_eos=False), 16)[1]
+    # stops the plain run meets at or just past min_tokens: in a dispatch's later rounds (its
+    # first round commits output indices 1..4 at most)
+    stops = sorted({c.tokens[k] for c in free for k in (6, 7)})
+    sampling = ik.SamplingParams(max_new_tokens=13, stop_at_eos=False, stop_token_ids=tuple(stops), min_tokens=6)
+    _, want, want_slot = run_rounds(echo_params, 1, sampling, 16)
+    assert {"stop", "length"} <= {c.finish_reason for c in want}
+    plans = []
+    engine, got, slot = run_rounds(echo_params, 4, sampling, 16, plans)
+    same_completions(got, want)
+    for key in slot:
+        np.testing.assert_allclose(slot[key], want_slot[key], rtol=0, atol=STATE_ATOL, err_msg=key)
+    assert engine.stats()["multi_round_verify_steps"] > 0
+
+
+def test_drafts_hook_keeps_one_round_per_dispatch(echo_params):
+    """With a drafts_for hook (a subclass's, or one set on the instance) every verify dispatch
+    is one round, whatever decode_steps (the hook must see each round's drafts; rounds after
+    the first would check the device's own): its shapes, warmup's buckets included, have
+    steps = 1, and the tokens are the MTP drafts' engine's. Only extend shapes may not loop."""
+    sp = ik.SamplingParams(max_new_tokens=9, stop_at_eos=False)
+    want = spec_engine(echo_params, 3, decode_steps=4).generate(ROUND_PROMPTS, sp)
+    hooked = spec_engine(echo_params, 3, script=lambda r, proposed: proposed, decode_steps=4)
+    assert {s.steps for s in hooked.runner.all_shapes() if s.mode == "verify"} == {1}
+    patched = spec_engine(echo_params, 3, decode_steps=4)
+    patched.drafts_for = lambda r: list(r.drafts)
+    for engine in (hooked, patched):
+        assert [c.tokens for c in engine.generate(ROUND_PROMPTS, sp)] == [c.tokens for c in want]
+        assert engine.stats()["verify_steps"] > 0 and engine.stats()["multi_round_verify_steps"] == 0
+        assert {s.steps for s in engine.runner.compiled if s.mode == "verify"} == {1}
+    assert StepShape("verify", 2, 8, 4, 16, steps=4).steps == 4
+    with pytest.raises(ValueError, match="only decode and verify dispatches run several steps"):
+        StepShape("extend", 2, 16, 8, 16, steps=2)

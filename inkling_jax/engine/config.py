@@ -30,7 +30,8 @@ class EngineConfig:
     ping_pong: str = "eager"  # or "lazy"
     evict_policy: str = "lru"  # prefix-cache eviction order: "lru", "lfu" (fewest hits) or "deepest"
     spec_steps: int = 0  # MTP draft tokens per round (0 = off)
-    decode_steps: Any = "auto"  # model steps per decode dispatch, a device loop ("auto": 8 on GPU/TPU, 1 on CPU)
+    decode_steps: Any = "auto"  # model steps per dispatch, a device loop ("auto": 8 on GPU/TPU, 1 on CPU): decode
+    #                             steps, or verify rounds with the MTP heads' own drafts
     overlap: Any = "auto"  # dispatch the next decode before reading the last (True / False / "auto": on GPU/TPU
     #                        with multi-step decode and no speculation)
     use_pallas: Any = "auto"  # True / False / "auto" (Pallas on GPU, jnp elsewhere)

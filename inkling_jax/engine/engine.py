@@ -152,6 +152,8 @@ class Engine:
         self.max_context = min(config.max_context or page_cap * config.page_size, page_cap * config.page_size)
         self.runner = self.runner_cls(cfg, params, config, lay, self.pool, self.max_context,
                                  extend_checkpoints=self.checkpoints.max_per_step, plan=self.plan)
+        if not self._own_drafts():  # a subclass's drafts_for: one verify round per dispatch (warmup's bucket too)
+            self.runner.verify_rounds = 1
         self.scheduler = Scheduler(cfg, config, self.requests, self._stats, decode_steps=self.runner.decode_steps)
         self._lock = threading.RLock()
         self._flights: list[InFlight] = []  # dispatched, outputs not committed yet (oldest first)
@@ -436,7 +438,7 @@ class Engine:
             with critical():  # (as above; a plan not dispatched gives its slots back: `_dispatch`)
                 self.requests.admit_waiting()  # (a request that never fits is given up with the reason)
                 self._write_count_rows()
-                plan = self.scheduler.plan(self.drafts_for)
+                plan = self.scheduler.plan(self.drafts_for, self._verify_rounds())
             if plan is None:
                 return
             self._dispatch(plan)
@@ -472,7 +474,8 @@ class Engine:
     def _dispatch(self, plan: StepPlan, feed_from: InFlight | None = None) -> None:
         """Pack and run `plan`; it joins the steps in flight (its outputs are not read here)."""
         try:
-            shape = self.runner.shape(plan.mode, len(plan.rows), sum(plan.new_tokens), plan.max_pages, score=plan.score)
+            shape = self.runner.shape(plan.mode, len(plan.rows), sum(plan.new_tokens), plan.max_pages, score=plan.score,
+                                      rounds=plan.rounds)
             batch = pack_batch(shape, plan.rows, self.config.spec_steps, self.config.max_stop_ids,
                                self.config.max_logit_bias)
             feed = None if feed_from is None else DecodeFeed(feed_from.out, np.asarray(plan.feed_rows, np.int32),
@@ -560,10 +563,23 @@ class Engine:
                 with critical():
                     self.requests.fail(r, reason)
 
+    def _own_drafts(self) -> bool:
+        """The verify steps check the MTP heads' drafts: `drafts_for` is not overridden (by a
+        subclass or on the instance)."""
+        return getattr(self.drafts_for, "__func__", None) is Engine.drafts_for
+
+    def _verify_rounds(self) -> int:
+        """R of the next verify dispatch: the runner's (decode_steps) with the MTP heads' own
+        drafts, whose rounds after the first check what the device proposed; 1 with a
+        `drafts_for` hook (the hook sees every round's drafts)."""
+        return self.runner.verify_rounds if self._own_drafts() else 1
+
     def drafts_for(self, r: Request) -> list[int]:
         """The draft tokens a verify step checks for r: the MTP chain's proposals from the last
         step. A documented hook: subclasses may return other drafts (tests force every accept
-        length with oracle drafts); any drafts give the same greedy output, only speed differs."""
+        length with oracle drafts); any drafts give the same greedy output, only speed differs.
+        With an override every verify dispatch runs one round (without, up to decode_steps
+        rounds, the later ones checking the drafts the device proposed: `_verify_rounds`)."""
         return list(r.drafts)
 
     # -------------------------------------------------------------------- sessions

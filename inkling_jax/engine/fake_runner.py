@@ -20,7 +20,10 @@ and marks what it wrote (its slot, checkpoints and page positions) as garbage, s
 that reads any of it (the host cached or kept it) raises `FakeStateError`. Speculative
 rows get drafts from the true continuation, wrong at depths chosen by the hash, so every
 accept length occurs; the acceptance rule is greedy's (a sampled row accepts a draft equal
-to its sample), so outputs equal plain decoding's in every mode.
+to its sample), so outputs equal plain decoding's in every mode. A verify dispatch of R > 1
+rounds runs them as `steps/verify_loop.py` does: round j checks round j - 1's drafts from
+the state round j - 1 left (checked, as every round's), until the row's rounds, a committed
+stop token or its token budget run out.
 
 Of the logits processors the fake emulates those whose bookkeeping is the host's: min_tokens
 (the row's stop ids are banned while its output is shorter) and the count-based penalties
@@ -279,10 +282,15 @@ class FakeRunner(StepRunner):
             batch = self._fed(batch, feed)
         b, spec, k = shape.batch, self.config.spec_steps, shape.top_logprobs
         width = shape.steps if shape.mode == "decode" and shape.steps > 1 else None
+        rounds = shape.steps if shape.mode == "verify" and shape.steps > 1 else None
         per_row = (b, width) if width else (b, spec + 1) if shape.mode == "verify" else (b,)
+        emitted = (b, width) if width else (b, rounds, spec + 1) if rounds else (b,)
+        if rounds:
+            per_row = (b, rounds, spec + 1)
         t = shape.tokens if shape.score else 0
-        out = FakeOutput(np.zeros((b, width) if width else b, np.int32), np.zeros((b, width) if width else b,
-                         np.float32), np.zeros(b, np.int32), np.zeros((b, spec), np.float32),
+        out = FakeOutput(np.zeros(emitted, np.int32), np.zeros(emitted, np.float32),
+                         np.full((b, rounds), -1, np.int32) if rounds else np.zeros(b, np.int32),
+                         np.zeros((b, spec), np.float32),
                          np.zeros((b, spec), np.int32), np.ones(b, bool), np.zeros(per_row + (k,), np.int32),
                          np.zeros(per_row + (k,), np.float32), np.zeros(t, np.float32), np.zeros((t, k), np.int32),
                          np.zeros((t, k), np.float32))
@@ -370,39 +378,74 @@ class FakeRunner(StepRunner):
             return h
 
         if shape.mode == "verify":
-            drafts = new[1:]
-            hh = mix(h, new[0])
-            hashes = [hh]  # the hash before each emitted position
-            accepted = 0
-            for d in range(len(drafts)):
-                want = choose(hh, start + 1 + d, out_len + d, drafts[:d])
-                if drafts[d] != want or accepted >= int(batch.spec.max_accept[i]):
-                    break
-                out.accepted_logprobs[i, d] = token_logprob(hh, drafts[d])
-                accepted += 1
-                if drafts[d] in stops:
-                    break
-                hh = mix(hh, drafts[d])
-                hashes.append(hh)
-            stop_hit = accepted and drafts[accepted - 1] in stops
-            commit = accepted + 1 - (1 if stop_hit else 0)
-            if self._poisoned(arena, new[:commit], i, out, slot, pages, start, len(new), tracks):
+            def verify_round(h, start, new, out_len, max_accept, tracks):
+                """One verify round from hash h at `start` (row tokens `new`): (accepted, the
+                committed tokens' log-probs, their top alternatives, the round's bonus, its
+                next drafts, the hash after its commits), or None when it is poisoned."""
+                drafts = new[1:]
+                hh = mix(h, new[0])
+                hashes, lps = [hh], []  # the hash before each emitted position
+                accepted = 0
+                for d in range(len(drafts)):
+                    want = choose(hh, start + 1 + d, out_len + d, drafts[:d])
+                    if drafts[d] != want or accepted >= max_accept:
+                        break
+                    lps.append(token_logprob(hh, drafts[d]))
+                    accepted += 1
+                    if drafts[d] in stops:
+                        break
+                    hh = mix(hh, drafts[d])
+                    hashes.append(hh)
+                stop_hit = accepted and drafts[accepted - 1] in stops
+                commit = accepted + 1 - (1 if stop_hit else 0)
+                if self._poisoned(arena, new[:commit], i, out, slot, pages, start, len(new), tracks):
+                    return None
+                h_end = advance(h, start, new[:commit], [(v, at) for v, at in tracks if at <= commit])
+                for j in range(commit, len(new)):  # K/V of rejected drafts: rewritten before any read
+                    self._write_page_token(arena, pages, start + j, new[j])
+                self._write_slot(arena, slot, start + commit, h_end)
+                if stop_hit:  # the accepted stop draft is the last token: it becomes the bonus
+                    a, bonus = accepted - 1, drafts[accepted - 1]
+                else:
+                    a, bonus = accepted, choose(h_end, start + commit, out_len + accepted, drafts[:accepted])
+                emitted(drafts[:a] + [bonus])
+                lps = lps[:a] + [token_logprob(h_end, bonus)]
+                return a, lps, [top(hashes[j]) for j in range(a + 1)], bonus, \
+                    self._drafts(mix(h_end, bonus), temp, seed, start + commit + 1), h_end
+
+            if shape.steps == 1:
+                got = verify_round(h, start, new, out_len, int(batch.spec.max_accept[i]), tracks)
+                if got is None:
+                    return
+                a, lps, tops, bonus, out.drafts[i], _ = got
+                out.tokens[i], out.logprobs[i], out.num_accepted[i] = bonus, lps[-1], a
+                out.accepted_logprobs[i, :a] = lps[:a]
+                for j in range(a + 1):
+                    self._put_top(out.top_ids[i, j], out.top_logprobs[i, j], tops[j])
                 return
-            h_end = advance(h, start, new[:commit], [(v, at) for v, at in tracks if at <= commit])
-            for j in range(commit, len(new)):  # K/V of rejected drafts: rewritten before any read
-                self._write_page_token(arena, pages, start + j, new[j])
-            self._write_slot(arena, slot, start + commit, h_end)
-            if stop_hit:  # the accepted stop draft is the last token: it becomes the bonus
-                bonus, out.num_accepted[i] = drafts[accepted - 1], accepted - 1
-            else:
-                bonus = choose(h_end, start + commit, out_len + accepted, drafts[:accepted])
-                out.num_accepted[i] = accepted
-            out.tokens[i], out.logprobs[i] = bonus, token_logprob(h_end, bonus)
-            a = int(out.num_accepted[i])
-            emitted(drafts[:a] + [bonus])
-            for j in range(a + 1):
-                self._put_top(out.top_ids[i, j], out.top_logprobs[i, j], top(hashes[j]))
-            out.drafts[i] = self._drafts(mix(h_end, int(out.tokens[i])), temp, seed, start + commit + 1)
+            # R rounds (steps/verify_loop.py): round j checks round j - 1's drafts from where it
+            # left, until its rounds, a stop token or its token budget run out
+            done, left = 0, int(batch.spec.tokens_left[i])
+            for j in range(int(batch.layout.num_steps[i])):
+                length, h_slot = int(arena[self.arena_slot_row(slot), 0]), int(arena[self.arena_slot_row(slot), 1])
+                if j and (length, h_slot) != (start + done, h):
+                    raise FakeStateError(f"row {i}: round {j} finds {length} tokens in its slot, not {start + done}")
+                max_accept = min(int(batch.spec.max_accept[i]), left - done - 1)
+                got = verify_round(h, start + done, new, out_len + done, max_accept,
+                                   [(v, at - done) for v, at in tracks if at - done > 0])
+                if got is None:
+                    return
+                a, lps, tops, bonus, drafts, h = got
+                out.tokens[i, j, :a + 1] = new[1:1 + a] + [bonus]
+                out.logprobs[i, j, :a + 1] = lps
+                out.num_accepted[i, j] = a
+                for c in range(a + 1):
+                    self._put_top(out.top_ids[i, j, c], out.top_logprobs[i, j, c], tops[c])
+                out.drafts[i] = drafts
+                done += a + 1
+                new = [bonus] + drafts
+                if bonus in stops or done >= left:
+                    break
             return
         if width is None:  # extend, or a one-step decode
             if self._poisoned(arena, new, i, out, slot, pages, start, n, tracks):

@@ -4,6 +4,7 @@ steps, and applying the pool's compaction moves.
 The host policy (`scheduler.py`) decides *what* runs; the runner runs it:
 
     shape = runner.shape(mode, rows, tokens, pages)   # the bucket a step of that size uses
+                                                       # (verify: rounds=R, `verify_rounds`)
     runner.apply_pool(pool)                            # compaction moves + id tables -> device (atomic)
     out = runner.run(shape, batch)                     # one compiled step (state donated)
 
@@ -173,6 +174,10 @@ class StepRunner:
         self.plan = plan
         self.use_pallas = resolve_use_pallas(config)
         self.decode_steps = resolve_decode_steps(config)
+        # R of a verify dispatch whose drafts are the MTP heads' own (rounds > 0 check the drafts
+        # the round before proposed, on the device): decode_steps is "model steps per dispatch"
+        # in both modes. The engine sets 1 when a `drafts_for` hook supplies the drafts.
+        self.verify_rounds = self.decode_steps if config.spec_steps else 1
         self.overlap = resolve_overlap(config, self.decode_steps)
         self.compile_cache_dir = enable_compile_cache(config.compile_cache_dir)
         self.executable_cache = config.executable_cache  # programs.request's cache setting
@@ -216,9 +221,11 @@ class StepRunner:
 
     # ------------------------------------------------------------------ shapes
 
-    def shape(self, mode: str, rows: int, tokens: int, pages: int, score: bool = False) -> StepShape:
+    def shape(self, mode: str, rows: int, tokens: int, pages: int, score: bool = False,
+              rounds: int | None = None) -> StepShape:
         """The bucket a step of `rows` rows, `tokens` packed tokens and `pages` page columns uses
-        (`score`: an extend step that scores its tokens, compiled when first used)."""
+        (`score`: an extend step that scores its tokens, compiled when first used; `rounds`: a
+        verify dispatch's rounds, default `verify_rounds`)."""
         b = next(x for x in self.batch_buckets if x >= rows)
         p = next(x for x in self.page_buckets if x >= pages)
         top = self.config.max_logprobs
@@ -226,7 +233,8 @@ class StepRunner:
             return StepShape("decode", b, b, 1, p, steps=self.decode_steps, top_logprobs=top)
         if mode == "verify":
             q = self.config.spec_steps + 1
-            return StepShape("verify", b, b * q, q, p, top_logprobs=top)
+            return StepShape("verify", b, b * q, q, p, steps=self.verify_rounds if rounds is None else rounds,
+                             top_logprobs=top)
         t = next(x for x in self.token_buckets if x >= max(tokens, b))
         return StepShape("extend", b, t, min(self.config.chunk_size, t), p, self.extend_checkpoints, top_logprobs=top,
                          score=score)

@@ -8,7 +8,11 @@ Modes: `extend` while any running request has more than one pending token (prefi
 decoding rows ride along with one token), else `verify` with speculative decoding, else
 `decode` (up to `EngineConfig.decode_steps` steps per dispatch, a device loop: a row runs
 until its budget of new tokens, a stop token, the dispatch's last step or the step before
-its second checkpoint boundary; requests that arrive meanwhile wait for the dispatch).
+its second checkpoint boundary; requests that arrive meanwhile wait for the dispatch). With
+the MTP heads' own drafts a verify dispatch runs up to `decode_steps` rounds likewise (a
+device loop, `steps/verify_loop.py`: a row runs until its budget, a committed stop token, the
+dispatch's last round or the last round that cannot reach its second checkpoint boundary);
+with drafts from a `drafts_for` hook, one round.
 With speculative decoding a decoding row never rides in an extend step: prefill
 and verify steps alternate, so a sampled request draws the same tokens alone and batched
 (a verify round and a plain sample draw differently). A request's pending tokens are the
@@ -45,13 +49,14 @@ DraftSource = Callable[[Request], list[int]]  # the drafts a verify step checks 
 class HostOutputs:
     """A step's outputs on the host (numpy)."""
 
-    tokens: np.ndarray  # [B] (a K-step decode: [B, K])
-    logprobs: np.ndarray  # [B] (a K-step decode: [B, K])
-    num_accepted: np.ndarray  # [B] (verify: drafts accepted; K-step decode: steps run)
+    tokens: np.ndarray  # [B] (a K-step decode: [B, K]; an R-round verify: [B, R, S+1])
+    logprobs: np.ndarray  # as tokens
+    num_accepted: np.ndarray  # [B] (verify: drafts accepted; K-step decode: steps run; R-round verify: [B, R],
+    #                           drafts accepted per round, -1 where the row did not run it)
     accepted_logprobs: np.ndarray  # [B, S]
     drafts: np.ndarray  # [B, S]
     row_ok: np.ndarray  # [B] bool: the row's logits were finite (False: its request fails)
-    top_ids: np.ndarray  # [B, L] (K-step decode: [B, K, L]; verify: [B, S+1, L])
+    top_ids: np.ndarray  # [B, L] (K-step decode: [B, K, L]; verify: [B, S+1, L]; R-round verify: [B, R, S+1, L])
     top_logprobs: np.ndarray  # as top_ids
     prompt_logprobs: np.ndarray  # [T] (a scoring extend step; else [0])
     prompt_top_ids: np.ndarray  # [T, L]
@@ -70,6 +75,7 @@ class StepPlan:
     feed_rows: list[int] | None = None
     feed_steps: list[int] | None = None
     score: bool = False  # an extend step that scores its tokens (a row wants prompt log-probs)
+    rounds: int = 1  # verify: the rounds the dispatch runs (R of its shape; each row's own are its num_steps)
 
     @property
     def max_pages(self) -> int:
@@ -90,8 +96,10 @@ class Scheduler:
 
     # ------------------------------------------------------------------ planning
 
-    def plan(self, drafts_for: DraftSource) -> StepPlan | None:
-        """The next step over every running request (None when nothing runs)."""
+    def plan(self, drafts_for: DraftSource, verify_rounds: int = 1) -> StepPlan | None:
+        """The next step over every running request (None when nothing runs). `verify_rounds`:
+        R of a verify dispatch (> 1 only where the drafts are the MTP heads' own: the rounds
+        after the first check the drafts the device proposed)."""
         running = self.running
         if not running:
             return None
@@ -116,10 +124,11 @@ class Scheduler:
             running = [r for r in running if id(r) in drafts]
             if not running:
                 return None
-        new_tokens, checkpoints, budget = [], [], cfg.max_step_tokens
+        new_tokens, checkpoints, budget, rounds = [], [], cfg.max_step_tokens, {}
         for r in running:
             if mode == "verify":
-                n = spec + 1
+                rounds[id(r)] = self._rounds_for(r, verify_rounds)
+                n = self._verify_reach(r, rounds[id(r)])
             elif mode == "decode":  # the steps the row may run in this dispatch (its one token first),
                 # crossing one checkpoint boundary at most (a dispatch writes one per row)
                 first = (r.committed // cfg.track_interval + 1) * cfg.track_interval
@@ -135,11 +144,33 @@ class Scheduler:
             budget -= n
         for r, n in zip(running, new_tokens):
             self.admission.grow_pages(r.held, r.committed + n)
-        plan = StepPlan(mode, list(running), new_tokens, checkpoints)
+        if mode == "verify":  # the packed tokens: the last one and the drafts
+            new_tokens = [spec + 1] * len(running)
+        plan = StepPlan(mode, list(running), new_tokens, checkpoints, rounds=verify_rounds if mode == "verify" else 1)
         plan.score = mode == "extend" and any(self._scored(r, r.committed, n) for r, n in zip(running, new_tokens))
-        plan.rows = [self._row_plan(mode, r, n, cks, drafts.get(id(r))) for r, n, cks in zip(running, new_tokens,
-                                                                                              checkpoints)]
+        plan.rows = [self._row_plan(mode, r, n, cks, drafts.get(id(r)), rounds=rounds.get(id(r), 1))
+                     for r, n, cks in zip(running, new_tokens, checkpoints)]
         return plan
+
+    def _rounds_for(self, r: Request, most: int) -> int:
+        """The rounds r's row runs in a verify dispatch of `most` rounds: no more than it has
+        tokens left (each round commits one at least), nor than can commit S + 1 tokens each
+        without reaching its second checkpoint boundary (a dispatch writes one checkpoint per
+        row; `steps/verify_loop.py` writes it in the round that crosses the first)."""
+        interval, spec = self.config.track_interval, self.config.spec_steps
+        first = (r.committed // interval + 1) * interval
+        remaining = r.sampling.max_new_tokens - len(r.out_tokens)
+        return max(1, min(most, remaining, (first + interval - 1 - r.committed) // (spec + 1)))
+
+    def _verify_reach(self, r: Request, rounds: int) -> int:
+        """The positions after r.committed that a verify dispatch of `rounds` rounds may write:
+        each round writes its S + 1 tokens at the committed length; the last round the row runs
+        starts at most remaining - 1 tokens on (its budget), so min(rounds (S + 1),
+        remaining + S). One round: S + 1. Its pages must cover them; checkpoints are planned
+        over them (the one reached is written)."""
+        spec = self.config.spec_steps
+        remaining = r.sampling.max_new_tokens - len(r.out_tokens)
+        return min(rounds * (spec + 1), remaining + spec)
 
     @staticmethod
     def _scored(r: Request, start: int, n: int) -> bool:
@@ -201,9 +232,10 @@ class Scheduler:
         return eos + list(r.sampling.stop_token_ids)
 
     def _row_plan(self, mode: str, r: Request, n: int, checkpoints: list[Checkpoint],
-                  drafts: list[int] | None, start: int | None = None) -> RowPlan:
-        """r's row (`drafts`: verify, the checked drafts); `start`: planned ahead, the row starts
-        at that position (its token is fed on the device, a placeholder here)."""
+                  drafts: list[int] | None, start: int | None = None, rounds: int = 1) -> RowPlan:
+        """r's row (`drafts`: verify, the checked drafts; `rounds`: verify, the rounds it runs);
+        `start`: planned ahead, the row starts at that position (its token is fed on the device,
+        a placeholder here)."""
         held, spec = r.held, self.config.spec_steps
         seq_start = held.committed if start is None else start
         row = RowPlan(tokens=[], seq_start=seq_start, virtual_slot=held.virtual_slot,
@@ -220,6 +252,7 @@ class Scheduler:
             row.tokens = [r.tokens[held.committed]] + drafts
             remaining = r.sampling.max_new_tokens - len(r.out_tokens)
             row.max_accept = max(0, min(spec, remaining - 1))
+            row.tokens_left, row.num_steps = remaining, rounds
             row.sample_next = True
         else:
             end = held.committed + n
@@ -281,6 +314,8 @@ class Scheduler:
                           self._top(r, out.top_ids[i], out.top_logprobs[i]))
                 if self.config.spec_steps:
                     r.drafts = [int(t) for t in out.drafts[i]]
+        if plan.mode == "verify" and out.num_accepted.ndim == 2 and np.any(out.num_accepted[:len(plan.rows), 1:] >= 0):
+            self.stats.multi_round_verify_steps += 1
         running = {id(r) for r in self.running}  # (a failed request has left already)
         finished = [r for r in plan.requests if r.finish_reason is not None and id(r) in running]
         for r in finished:
@@ -314,14 +349,26 @@ class Scheduler:
                                               out.prompt_top_logprobs[q0 + j, :r.prompt_top])]
 
     def _commit_verify(self, r: Request, row: RowPlan, out: HostOutputs, i: int, now: float) -> None:
-        a = int(out.num_accepted[i])
-        emitted = [int(t) for t in row.tokens[1:1 + a]] + [int(out.tokens[i])]
-        lps = [float(x) for x in out.accepted_logprobs[i, :a]] + [float(out.logprobs[i])]
-        self._advance(r, a + 1)
-        for j, (tok, lp) in enumerate(zip(emitted, lps)):
-            self.emit(r, tok, lp, now, self._top(r, out.top_ids[i, j], out.top_logprobs[i, j]))
-        r.accept_lengths.append(a)
-        self.stats.count_verify_row(a)
+        """Apply r's verify rounds in order, each as its own dispatch would: its accepted drafts
+        and bonus emitted (a stop or max_new_tokens finishes r; the tokens after it are still
+        committed state, `emit`), its accept length recorded while r had not finished before
+        it. The next dispatch checks the drafts the last round proposed."""
+        if out.tokens.ndim == 3:  # R rounds: each round's committed tokens, -1: not run
+            rounds = [(int(a), out.tokens[i, j, :a + 1], out.logprobs[i, j, :a + 1], j)
+                      for j, a in enumerate(out.num_accepted[i]) if a >= 0]
+            tops = lambda j, c: self._top(r, out.top_ids[i, j, c], out.top_logprobs[i, j, c])
+        else:
+            a = int(out.num_accepted[i])
+            rounds = [(a, list(row.tokens[1:1 + a]) + [out.tokens[i]],
+                       list(out.accepted_logprobs[i, :a]) + [out.logprobs[i]], 0)]
+            tops = lambda j, c: self._top(r, out.top_ids[i, c], out.top_logprobs[i, c])
+        for a, tokens, lps, j in rounds:
+            if r.finish_reason is None:  # R separate dispatches would have run this round
+                r.accept_lengths.append(a)
+                self.stats.count_verify_row(a)
+            self._advance(r, a + 1)
+            for c, (tok, lp) in enumerate(zip(tokens, lps)):
+                self.emit(r, int(tok), float(lp), now, tops(j, c))
         r.drafts = [int(t) for t in out.drafts[i]]
 
     def emit(self, r: Request, token: int, logprob: float, now: float,

@@ -12,7 +12,8 @@ class EngineStats:
     extend_steps: int = 0
     decode_steps: int = 0
     verify_steps: int = 0
-    verify_rows: int = 0  # request rows of verify steps
+    multi_round_verify_steps: int = 0  # verify dispatches in which some row ran more than one round
+    verify_rows: int = 0  # request rows of verify rounds (a row that runs R rounds of a dispatch counts R)
     accepted_draft_tokens: int = 0
     accepted_at_depth: list[int] = field(default_factory=list)  # verify rows that accepted depth d's draft
     generated_tokens: int = 0

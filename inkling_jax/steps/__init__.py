@@ -6,6 +6,7 @@
     counts.py    the penalties' token-count table (ServingState.counts)
     draft.py     the MTP draft phase
     program.py   run_step / step_logits, compile_step
+    decode_loop.py, verify_loop.py   K decode steps / R verify rounds in one dispatch (device loops)
     feed.py      feed_decode: a decode dispatch fed by the previous one's device outputs (overlap)
 """
 

@@ -24,6 +24,7 @@ MODES = ("extend", "decode", "verify")
 DEFAULT_MAX_STOP_IDS = 8  # stop-id columns of a batch unless the engine asks for more
 DEFAULT_MAX_LOGIT_BIAS = 16  # logit-bias columns of a batch unless the engine asks for more
 PAD_TOKEN_OFFSET = 64  # padding tokens sit this far past a row's last new-token index (and any conv tap)
+NO_TOKEN_LIMIT = 1 << 30  # `SpecArrays.tokens_left` of a row without a limit (RowPlan.tokens_left None)
 
 
 @dataclass(frozen=True)
@@ -36,7 +37,8 @@ class StepShape:
     query: int  # Q: max new tokens of one row (verify: spec_steps + 1)
     pages: int  # P: page-table columns (context up to P * page_size tokens)
     tracks: int = 1  # M: checkpoints one row may write in the step (boundaries inside its chunk)
-    steps: int = 1  # K: decode steps one dispatch runs (a loop on the device; `decode_loop.py`)
+    steps: int = 1  # K: model steps one dispatch runs, a loop on the device: decode steps (`decode_loop.py`)
+    #                 or verify rounds (`verify_loop.py`)
     top_logprobs: int = 0  # L: top alternatives (token, log-prob) the step can report per emitted token
     score: bool = False  # extend: also the log-prob of every packed token's known next token (and its top L)
 
@@ -49,8 +51,8 @@ class StepShape:
             raise ValueError("verify steps have spec_steps + 1 tokens per row")
         if self.tracks < 1:
             raise ValueError("a step has at least one checkpoint column")
-        if self.steps < 1 or (self.steps > 1 and self.mode != "decode"):
-            raise ValueError("only decode dispatches run several steps (steps >= 1)")
+        if self.steps < 1 or (self.steps > 1 and self.mode == "extend"):
+            raise ValueError("only decode and verify dispatches run several steps (steps >= 1)")
         if self.top_logprobs < 0:
             raise ValueError("top_logprobs must be >= 0")
         if self.score and self.mode != "extend":
@@ -72,7 +74,8 @@ class TokenLayout:
     num_new: Int[Array, " b"]  # new tokens this step (0: padded row); verify: 1 + spec_steps
     seq_start: Int[Array, " b"]  # position of the row's first new token
     has_state: Bool[Array, " b"]  # the slot holds state for positions < seq_start
-    num_steps: Int[Array, " b"]  # multi-step decode: steps the row runs at most (1 elsewhere; 0: padded row)
+    num_steps: Int[Array, " b"]  # multi-step decode / verify: steps (rounds) the row runs at most (1 elsewhere;
+    #                              0: padded row)
 
 
 # no_type_check (the tests' jaxtyping hook): a pytree node, rebuilt through __init__ by JAX with
@@ -102,7 +105,11 @@ class SpecArrays:
 
     lookahead: Int[Array, "b la"]  # known tokens after the row's new ones (t_e, t_e+1, ...), spec only
     sample_next: Bool[Array, " b"]  # t_e is this step's sample (else lookahead[0]); spec only
-    max_accept: Int[Array, " b"]  # verify: accept at most this many drafts
+    max_accept: Int[Array, " b"]  # verify: accept at most this many drafts (each round)
+    tokens_left: Int[Array, " b"]  # verify: tokens the row may still commit (max_new_tokens less its output so
+    #                                far; NO_TOKEN_LIMIT: none); a multi-round verify accepts at most
+    #                                tokens_left - 1 - (tokens its earlier rounds committed) drafts in a round
+    #                                and stops the row once its rounds committed tokens_left
 
 
 # no_type_check (the tests' jaxtyping hook): a pytree node, rebuilt through __init__ by JAX with
@@ -132,7 +139,8 @@ class StepBatch:
             slots=RowSlots(virtual_slot=i32(b), virtual_pages=i32(b, p), virtual_track_slot=i32(b, shape.tracks),
                            track_len=i32(b, shape.tracks), virtual_cow_slot=i32(b)),
             sampling=SamplingArrays.empty(b, max_stop_ids, max_logit_bias),
-            spec=SpecArrays(lookahead=i32(b, spec_steps + 1), sample_next=np.zeros(b, bool), max_accept=i32(b)))
+            spec=SpecArrays(lookahead=i32(b, spec_steps + 1), sample_next=np.zeros(b, bool), max_accept=i32(b),
+                            tokens_left=i32(b)))
 
 
 def check_batch(batch: StepBatch, shape: StepShape, spec_steps: int = 0,
@@ -166,8 +174,10 @@ class RowPlan:
     #                                                         generation (eos resolved)
     lookahead: Sequence[int] = ()  # spec: known tokens after the new ones
     sample_next: bool = True  # spec: the token after the new ones is this step's sample
-    max_accept: int = 0  # verify: most drafts to accept
-    num_steps: int = 1  # multi-step decode: steps the row runs at most (its one token is the first step's)
+    max_accept: int = 0  # verify: most drafts to accept (each round)
+    tokens_left: int | None = None  # verify: tokens the row may still commit (None: no limit; `SpecArrays`)
+    num_steps: int = 1  # multi-step decode: steps the row runs at most (its one token is the first step's);
+    #                     multi-round verify: rounds the row runs at most
     out_len: int = 0  # tokens the request generated before this step (min_tokens)
     count_row: int = 0  # the request's row of the state's count table (0: none; penalties)
     prompt_top_logprobs: int = 0  # scoring steps: top alternatives wanted at its prompt positions
@@ -221,5 +231,6 @@ def pack_batch(shape: StepShape, rows: Sequence[RowPlan], spec_steps: int = 0,
         spec.lookahead[i, :len(r.lookahead)] = r.lookahead
         spec.sample_next[i] = r.sample_next
         spec.max_accept[i] = r.max_accept
+        spec.tokens_left[i] = NO_TOKEN_LIMIT if r.tokens_left is None else r.tokens_left
         pos += n
     return b

@@ -64,6 +64,7 @@ from .decode_loop import decode_loop
 from .draft import draft_phase
 from .counts import add_emitted
 from .sampling import accept_drafts, sample_tokens, top_alternatives
+from .verify_loop import verify_loop
 
 Params = dict[str, Any]
 
@@ -74,18 +75,23 @@ Params = dict[str, Any]
 @jax.tree_util.register_dataclass
 @dataclass
 class StepOutput:
-    tokens: Int[Array, " b *k"]  # sampled next token of each row (verify: the bonus after the accepted drafts;
-    #                          a K-step decode: [B, K], one column per step)
-    logprobs: Float[Array, " b *k"]  # log p(token) under the model (temperature 1, no truncation); [B, K] likewise
-    num_accepted: Int[Array, " b"]  # verify: drafts accepted (they precede `tokens`); K-step decode: steps
-    #                                the row ran (its valid columns); else 0
-    accepted_logprobs: Float[Array, "b s"]  # verify: log p of each draft (valid for the accepted ones)
-    drafts: Int[Array, "b s"]  # spec: the next round's draft tokens (valid when sample_next)
-    row_ok: Bool[Array, " b"]  # the row's logits were finite (`finite_rows`); False: the request fails
-    #                           (padded rows: ignore)
+    tokens: Int[Array, " b *k"]  # sampled next token of each row (verify: the bonus after the accepted drafts);
+    #                          a K-step decode: [B, K], one column per step; an R-round verify: [B, R, S+1],
+    #                          round r's committed tokens (its accepted drafts, then its bonus at column
+    #                          num_accepted[:, r]; later columns not valid)
+    logprobs: Float[Array, " b *k"]  # log p(token) under the model (temperature 1, no truncation); shaped as tokens
+    num_accepted: Int[Array, " b *r"]  # verify: drafts accepted (they precede `tokens`); K-step decode: steps
+    #                                the row ran (its valid columns); R-round verify: [B, R], drafts accepted in
+    #                                each round (-1: the row did not run that round); else 0
+    accepted_logprobs: Float[Array, "b s"]  # verify: log p of each draft (valid for the accepted ones); an
+    #                                        R-round verify: zeros (`logprobs` holds them)
+    drafts: Int[Array, "b s"]  # spec: the next round's draft tokens (valid when sample_next; R-round verify: the
+    #                           last round the row ran proposed them)
+    row_ok: Bool[Array, " b"]  # the row's logits were finite (`finite_rows`; every step / round it ran); False:
+    #                           the request fails (padded rows: ignore)
     top_ids: Int[Array, " b *q l"]  # the L most likely tokens where `tokens` was chosen (zeros unless a row asks,
     #                             `SamplingArrays.top_logprobs`); K-step decode: [B, K, L]; verify: [B, S+1, L]
-    #                             (position i: the token after the i-th draft)
+    #                             (position i: the token after the i-th draft); R-round verify: [B, R, S+1, L]
     top_logprobs: Float[Array, " b *q l"]  # their log-probs under the model, shaped as top_ids
     prompt_logprobs: Float[Array, " t"]  # scoring extend step: log p of packed token t's known next token (the
     #                                     next packed token of its row, or its lookahead[0]); else [0]
@@ -178,7 +184,9 @@ def run_step(params: Params, state: ServingState, batch: StepBatch, *, cfg: Inkl
 
     A decode shape with steps = K > 1 runs K decode steps in a device loop
     (`decode_loop.py`): tokens and logprobs are then [B, K] and num_accepted counts the
-    steps each row ran.
+    steps each row ran. A verify shape with steps = R > 1 runs R verify rounds in a device
+    loop (`verify_loop.py`), each checking the drafts the round before proposed: tokens and
+    logprobs are then [B, R, S+1], num_accepted [B, R] (StepOutput's field comments).
 
     parallel: None for the single-device program. A `ParallelAxes` when the step runs as one
     shard of a mesh inside `shard_map` (`inkling_jax.parallel.serving`): params are this
@@ -190,7 +198,8 @@ def run_step(params: Params, state: ServingState, batch: StepBatch, *, cfg: Inkl
         return single_step(params, state, batch, shape=shape, **kw)
     one = dataclasses.replace(shape, steps=1)
     params = L.with_kv_conv(params)
-    tokens, logprobs, top_ids, top_lp, ran, drafts, ok, state = decode_loop(
+    loop = verify_loop if shape.mode == "verify" else decode_loop
+    tokens, logprobs, top_ids, top_lp, ran, drafts, ok, state = loop(
         lambda st, bt: single_step(params, st, bt, shape=one, **kw), state, batch, shape.steps, shape.query,
         shape.top_logprobs)
     return StepOutput(tokens, logprobs, ran, jnp.zeros(drafts.shape, jnp.float32), drafts, ok, top_ids, top_lp,
@@ -200,7 +209,7 @@ def run_step(params: Params, state: ServingState, batch: StepBatch, *, cfg: Inkl
 def single_step(params: Params, state: ServingState, batch: StepBatch, *, cfg: InklingConfig, layout: ArenaLayout,
                 shape: StepShape, use_pallas: bool = False, interpret: bool = False,
                 parallel: Any = None) -> tuple[StepOutput, ServingState]:
-    """One model step of any mode (`run_step` without the decode loop)."""
+    """One model step of any mode (`run_step` without the decode / verify loop)."""
     ops = conv_ops(use_pallas, interpret)
     ids, arena = prepare(state, batch, layout, ops)
     spec = layout.spec_steps
