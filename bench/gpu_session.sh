@@ -17,6 +17,8 @@
 #   verify   bench.serve.serve verify at B = 1 and 8, the few-token kernel bound 1/3 (the library's) against 1/2
 #   prefill  bench.serve.serve prefill at 8 x 1k and 1 x 8k: Pallas grouped GEMMs against ragged_dot
 #   moe      bench.kernels.moe_micro --many: dense, ragged_dot and the grouped-GEMM tilings
+#   spec     bench.serve.serve spec: the shipped model's speculation at B = 1 and 8, verify dispatches of one
+#            round and of decode_steps 'auto' (8) rounds side by side, against plain decode
 #   profile  bench.profile.engine at B = 1 (decode, K = 8) and a B = 1 verify step (spec_steps 3)
 #   startup  bench.serve.startup (make run's job, shipped model, fresh processes: cold, then warm x3) and
 #            bench.serve.serve's startup section (bench preset) with the background warm-up, first as
@@ -64,6 +66,7 @@ for part in "$@"; do
             --few-token-bounds 0.3333,0.5 --cache-dir "$CACHE" --out "$OUT/verify.md" ;;
         prefill) run_part prefill 300 python -m bench.serve.serve --sections prefill --prefill-kernels pallas,ragged \
             --cache-dir "$CACHE" --out "$OUT/prefill.md" ;;
+        spec) run_part spec 400 python -m bench.serve.serve --sections spec --cache-dir "$CACHE" --out "$OUT/spec.md" ;;
         moe) run_part moe 150 python -m bench.kernels.moe_micro --many ;;
         profile)
             run_part profile_decode 150 python -m bench.profile.engine --batch 1
@@ -84,6 +87,6 @@ for part in "$@"; do
                 python -m bench.serve.serve --sections prefill --prefill-kernels pallas --cache-dir "" \
                 --out "$OUT/prefill_autotune0.md" ;;
         sweep) run_part sweep 400 python -m bench.kernels.kernels --batches 1 --moe-sweep --proj-sweep --out "$OUT/sweep.md" ;;
-        *) echo "unknown part $part (check modes decode verify prefill moe profile sweep startup autotune)"; exit 2 ;;
+        *) echo "unknown part $part (check modes decode verify prefill spec moe profile sweep startup autotune)"; exit 2 ;;
     esac
 done

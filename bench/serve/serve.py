@@ -317,10 +317,15 @@ def section_spec(args, report: Report) -> None:
                                  for rounds in (1, args.spec_rounds)]
         for spec, rounds in cases:
             engine = ik.Engine(cfg, params, dataclasses.replace(tiny_config(b, spec), decode_steps=rounds))
-            warm(engine, prompts, ik.SamplingParams(max_new_tokens=8, stop_at_eos=False))
+            # 40 tokens: several dispatches, so the overlapped decode's feed program compiles here too
+            warm(engine, prompts, ik.SamplingParams(max_new_tokens=40, stop_at_eos=False))
+            before = engine.stats()
             t = run(engine, prompts, sp)
             st = engine.stats()
             tps = t.tokens / t.wall
+            if (st["compiles"], st["compile_seconds"]) != (before["compiles"], before["compile_seconds"]):
+                log(f"spec B={b} S={spec} R={rounds}: the timed run waited {st['compile_seconds']:.2f} s for "
+                    f"{st['compiles'] - before['compiles']} new step program(s)")
             base = base or tps
             tokens = t.outputs
             plain_tokens = plain_tokens or tokens
