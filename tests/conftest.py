@@ -127,6 +127,26 @@ def trunk_params():
     return ik.init_params(TRUNK, jax.random.key(0), std=0.1)
 
 
+# float32 rounding of a differently fused program (a device loop against lone steps; the tokens
+# are compared exactly)
+LOOP_ATOL = 1e-5
+
+
+def assert_same_completions(got, want, atol: float = LOOP_ATOL) -> None:
+    """Two engines' completions of the same requests agree: tokens, finish reasons and cache
+    hits exactly; log-probs, and the top alternatives' log-probs where asked, within atol (their
+    ids exactly)."""
+    assert [c.tokens for c in got] == [c.tokens for c in want]
+    assert [c.finish_reason for c in got] == [c.finish_reason for c in want]
+    assert [c.cached_tokens for c in got] == [c.cached_tokens for c in want]
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g.logprobs, w.logprobs, rtol=0, atol=atol)
+        if w.top_logprobs is not None:
+            assert [[t for t, _ in top] for top in g.top_logprobs] == [[t for t, _ in top] for top in w.top_logprobs]
+            np.testing.assert_allclose([[lp for _, lp in top] for top in g.top_logprobs],
+                                       [[lp for _, lp in top] for top in w.top_logprobs], rtol=0, atol=atol)
+
+
 def make_engine(params, cfg=None, **overrides):
     return ik.Engine(cfg or TRUNK, params, ik.EngineConfig(**{**ENGINE_KW, **overrides}))
 

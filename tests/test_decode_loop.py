@@ -13,7 +13,7 @@ import pytest
 
 import inkling_jax as ik
 
-from conftest import ENGINE_KW, TRUNK, count_xla_compiles, make_engine, reference_logprobs
+from conftest import ENGINE_KW, TRUNK, assert_same_completions, count_xla_compiles, make_engine, reference_logprobs
 
 ATOL = 1e-5  # float32 rounding of a differently fused program (the tokens are compared exactly)
 PARAMS = ik.init_params(TRUNK, jax.random.key(0), std=0.1)
@@ -51,15 +51,6 @@ def _run(decode_steps: int, sampling: ik.SamplingParams, cuts: list | None = Non
     return engine, first + second + turns, slot
 
 
-def _same(got, want):
-    assert [c.tokens for c in got] == [c.tokens for c in want]
-    assert [c.finish_reason for c in got] == [c.finish_reason for c in want]
-    assert [c.cached_tokens for c in got] == [c.cached_tokens for c in want]
-    for g, w in zip(got, want):
-        # XLA may fuse the loop body otherwise than the lone step: float rounding only
-        np.testing.assert_allclose(g.logprobs, w.logprobs, rtol=0, atol=ATOL)
-
-
 @pytest.mark.parametrize("sampling", [
     ik.SamplingParams(max_new_tokens=11, stop_at_eos=False),
     ik.SamplingParams(max_new_tokens=14, temperature=0.9, top_k=40, top_p=0.9, seed=5, stop_at_eos=False),
@@ -76,7 +67,7 @@ def test_k_steps_per_dispatch_equal_one(sampling):
         if k == 9:  # the cut happened (a row at 7 mod 8: 8 steps reach the next boundary + 7)
             interval = ENGINE_KW["track_interval"]
             assert cuts and all(n == 2 * interval - 1 - c % interval for c, n in cuts), cuts
-        _same(got, want)
+        assert_same_completions(got, want, ATOL)
         assert sum(c.cached_tokens for c in got[3:6]) > 0  # the grown prompts hit
         assert slot.keys() == want_slot.keys()
         for key in slot:
@@ -98,7 +89,7 @@ def test_stop_token_inside_a_dispatch():
     _, want, want_slot = _run(1, sampling)
     assert "stop" in [c.finish_reason for c in want] and "length" in [c.finish_reason for c in want]
     _, got, slot = _run(4, sampling)
-    _same(got, want)
+    assert_same_completions(got, want, ATOL)
     for key in slot:
         np.testing.assert_allclose(slot[key], want_slot[key], rtol=0, atol=ATOL, err_msg=key)
 

@@ -12,7 +12,7 @@ import pytest
 
 import inkling_jax as ik
 from inkling_jax.steps import StepShape
-from conftest import ENGINE_KW, echo_model
+from conftest import ENGINE_KW, assert_same_completions, echo_model
 
 # Two trunk layers (a sliding dense one and a full MoE one) and three MTP depths, the middle
 # one banded: every kind of draft state, at half the compile time of the tiny preset.
@@ -398,18 +398,6 @@ def run_rounds(params, rounds: int, sampling, interval: int = 8, plans: list | N
     return engine, first + second + turns, engine.read_slot(engine.sessions[sid].held.virtual_slot)
 
 
-def same_completions(got, want):
-    assert [c.tokens for c in got] == [c.tokens for c in want]
-    assert [c.finish_reason for c in got] == [c.finish_reason for c in want]
-    assert [c.cached_tokens for c in got] == [c.cached_tokens for c in want]
-    for g, w in zip(got, want):
-        np.testing.assert_allclose(g.logprobs, w.logprobs, rtol=0, atol=ROUNDS_ATOL)
-        if w.top_logprobs is not None:
-            assert [[t for t, _ in top] for top in g.top_logprobs] == [[t for t, _ in top] for top in w.top_logprobs]
-            np.testing.assert_allclose([[lp for _, lp in top] for top in g.top_logprobs],
-                                       [[lp for _, lp in top] for top in w.top_logprobs], rtol=0, atol=ROUNDS_ATOL)
-
-
 @pytest.mark.parametrize("sampling", [
     ik.SamplingParams(max_new_tokens=13, stop_at_eos=False, logprobs=2),
     ik.SamplingParams(max_new_tokens=14, temperature=1.0, top_k=40, seed=5, presence_penalty=0.5, stop_at_eos=False),
@@ -426,7 +414,7 @@ def test_verify_rounds_equal_one_round(echo_params, sampling, rounds, interval):
     _, want, want_slot = run_rounds(echo_params, 1, sampling, interval)
     plans = []
     engine, got, slot = run_rounds(echo_params, rounds, sampling, interval, plans)
-    same_completions(got, want)
+    assert_same_completions(got, want, ROUNDS_ATOL)
     assert sum(c.cached_tokens for c in got[3:6]) > 0
     assert slot.keys() == want_slot.keys()
     for key in slot:
@@ -453,7 +441,7 @@ def test_stop_tokens_inside_verify_rounds(echo_params):
     assert {"stop", "length"} <= {c.finish_reason for c in want}
     plans = []
     engine, got, slot = run_rounds(echo_params, 4, sampling, 16, plans)
-    same_completions(got, want)
+    assert_same_completions(got, want, ROUNDS_ATOL)
     for key in slot:
         np.testing.assert_allclose(slot[key], want_slot[key], rtol=0, atol=STATE_ATOL, err_msg=key)
     assert engine.stats()["multi_round_verify_steps"] > 0
