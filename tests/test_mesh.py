@@ -226,11 +226,9 @@ def test_planner_cli(capsys):
 
 
 def _flat(tree):
-    from flax import traverse_util
+    from inkling_jax.model.params import flat_params
 
-    from inkling_jax.model.params import _lists_to_dicts
-
-    return traverse_util.flatten_dict(_lists_to_dicts(tree))
+    return flat_params(tree)
 
 
 # (config, tp, ep): tp 4 on tiny / pattern and tp 2 on heads' sliding layers have fewer kv

@@ -106,7 +106,7 @@ class ShardPlan:
         return jax.tree_util.tree_map(lambda l: l.local_shape, self.layouts, is_leaf=_is_layout)
 
     def flat_layouts(self) -> dict[tuple, LeafLayout]:
-        """{params path: LeafLayout} (paths as in flax.traverse_util.flatten_dict, list
+        """{params path: LeafLayout} (paths as `flat_params` makes them, list
         positions as ints)."""
         return flat_params(self.layouts)
 

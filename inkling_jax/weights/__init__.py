@@ -20,7 +20,7 @@ of the leaf from slices of them. A single-device load reads whole leaves; a mesh
 slices of the files. Orbax checkpoints hold the original layout; with a mesh they are
 restored per device and relaid out on the devices.
 
-Nested parameter names go through `flax.traverse_util` (`flat_params` / `nest_params`):
+Nested parameter names go through `flat_params` / `nest_params` (`model/params.py`):
 entries, layouts and orbax metadata meet as {("layers", 3, "attn", "wqkvr"): leaf}.
 """
 
