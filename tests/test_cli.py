@@ -174,9 +174,10 @@ def test_bad_model_files_are_one_line(capsys, tmp_path, contents):
 # ------------------------------------------------------------------ mesh and several processes
 
 # --no-warmup: these runs check meshes and processes, not the warm-up (test_generate_prints_completions_and_stats
-# runs the CLI's background warm-up; test_programs.py checks warmup(wait=False) itself)
-MESH_FLAGS = ["--prompt", *PROMPTS[:2], "--max-new-tokens", "4", "--max-running", "1", "--page-size", "4",
-              "--ignore-eos", "--no-progress", "--no-stream", "--no-warmup"]
+# runs the CLI's background warm-up; test_programs.py checks warmup(wait=False) itself). The tiny preset: a
+# mesh's collectives do not depend on the weights, and the shipped model's programs compile twice as long
+MESH_FLAGS = ["--model", "tiny", "--prompt", *PROMPTS[:2], "--max-new-tokens", "4", "--max-running", "1",
+              "--page-size", "4", "--ignore-eos", "--no-progress", "--no-stream", "--no-warmup"]
 
 
 def test_mesh_flags_on_one_process(capsys, monkeypatch):

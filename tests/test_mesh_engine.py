@@ -93,19 +93,16 @@ def test_one_device_mesh_equals_no_mesh():
     engine.check_invariants()
 
 
-def _overlap_matches(mesh):
-    """Overlapped 4-step decode dispatches on `mesh` (the feed of each dispatch from the last
-    one's replicated outputs) give the single-device engine's greedy tokens."""
-    engine = _engine(mesh, decode_steps=4, overlap=True)
+def test_one_device_mesh_overlapped_decode():
+    """Overlapped 4-step decode dispatches on a one-device mesh (the feed of each dispatch from
+    the last one's outputs) give the single-device engine's greedy tokens. (On 8 devices:
+    test_on_mesh_no_compile_after_warmup's overlapped 3-step dispatches.)"""
+    engine = _engine(ik.make_mesh(), decode_steps=4, overlap=True)
     got = engine.generate(PROMPTS, GREEDY)
     # the decode loop and single steps round log-probs alike up to fusion order
     _assert_same_completions(got, _single(0)[0], atol=1e-5)
     assert engine.stats()["overlapped_dispatches"] > 0
     engine.check_invariants()
-
-
-def test_one_device_mesh_overlapped_decode():
-    _overlap_matches(ik.make_mesh())
 
 
 def test_single_device_step_traces_no_collective():
@@ -227,37 +224,15 @@ def test_on_mesh_engine_equals_one_device(tp, ep):
 
 
 @on_mesh
-def test_on_mesh_pallas_kernels_and_repeated_kv_heads():
-    """tp 4 x ep 2: the full layers' 2 kv heads each sit on two tp shards (repeated in the
-    params and in the arena). The Pallas kernels (interpret mode: conv-state updates, slot
-    copies, the few-token MoE mat-vec) run on each device's arena block under shard_map.
-    Outputs equal the single-device reference path's; read_slot keeps each kv head once."""
-    mesh = ik.make_mesh(tp=4, ep=2)
-    sampling = ik.SamplingParams(max_new_tokens=4, stop_at_eos=False)
-    engine = _engine(mesh, use_pallas=True, pallas_interpret=True)
-    assert engine.runner.ops.pallas
-    assert engine.plan.local_cfg.num_kv_heads == 1 and engine.plan.local_cfg.swa_num_kv_heads == 1
-    single = _engine()
-    reads = []
-    for e in (single, engine):
-        out = e.generate(PROMPTS[:2], sampling)
-        sid = e.open_session()
-        out += e.generate([PROMPTS[2]], sampling, session=sid)
-        reads.append((out, e.read_slot(e.sessions[sid].held.virtual_slot)))
-    (want, want_slot), (got, got_slot) = reads
-    _assert_same_completions(got, want)
-    assert got_slot.keys() == want_slot.keys()
-    for key in want_slot:
-        assert got_slot[key].shape == want_slot[key].shape, key
-        np.testing.assert_allclose(got_slot[key], want_slot[key], rtol=0, atol=1e-5, err_msg=key)
-
-
-@on_mesh
-def test_on_mesh_lone_row_takes_the_expert_kernel(monkeypatch):
-    """tp 2 x ep 2 (per shard 8 of 16 experts, 16 wide): a batch-1 step's routed experts
-    (n * k = 2 <= E_local / 3, the few-token kernel's bound) take the few-token Pallas kernel
-    (interpret mode) under shard_map, the choices held by the other shard at weight 0 on local
-    expert 0; greedy tokens equal the single-device jnp engine's, log-probs within 1e-5."""
+def test_on_mesh_pallas_kernels_repeated_kv_heads_and_lone_rows(monkeypatch):
+    """tp 4 x ep 2 over a 16-expert tiny config: the full layers' 2 kv heads each sit on two
+    tp shards (repeated in the params and in the arena); the Pallas kernels (interpret mode:
+    conv-state updates, slot copies, the MoE mat-vecs) run on each device's arena block under
+    shard_map; a batch-1 step's routed experts (n * k = 2 <= E_local / 3 = 8 / 3, the
+    few-token kernel's bound) take the few-token kernel, the choices held by the other ep
+    shard at weight 0 on local expert 0. Outputs equal the single-device jnp engine's, log-probs
+    within 1e-5; read_slot keeps each kv head once. (One test for both: each engine here is
+    a compile of its own on 8 devices.)"""
     from pallas_kernels.moe import pallas as moe_pallas
 
     import pallas_kernels as pk
@@ -276,19 +251,27 @@ def test_on_mesh_lone_row_takes_the_expert_kernel(monkeypatch):
         params = ik.init_params(cfg, jax.random.key(0), std=0.1)
         kw = dict(KW, max_running=1, min_batch_bucket=1)
         sampling = ik.SamplingParams(max_new_tokens=4, stop_at_eos=False)
-        want = ik.Engine(cfg, params, ik.EngineConfig(**kw)).generate([PROMPTS[0]], sampling)
-        got = ik.Engine(cfg, params, ik.EngineConfig(**kw, use_pallas=True, pallas_interpret=True),
-                        mesh=ik.make_mesh(tp=2, ep=2)).generate([PROMPTS[0]], sampling)
+        engine = ik.Engine(cfg, params, ik.EngineConfig(**kw, use_pallas=True, pallas_interpret=True),
+                           mesh=ik.make_mesh(tp=4, ep=2))
+        assert engine.runner.ops.pallas
+        assert engine.plan.local_cfg.num_kv_heads == 1 and engine.plan.local_cfg.swa_num_kv_heads == 1
+        single = ik.Engine(cfg, params, ik.EngineConfig(**kw))
+        reads = []
+        for e in (single, engine):
+            out = e.generate(PROMPTS[:2], sampling)
+            sid = e.open_session()
+            out += e.generate([PROMPTS[2]], sampling, session=sid)
+            reads.append((out, e.read_slot(e.sessions[sid].held.virtual_slot)))
     finally:
         monkeypatch.undo()
         pk._pallas_ops.cache_clear()
     assert (1, cfg.hidden_size) in calls
+    (want, want_slot), (got, got_slot) = reads
     _assert_same_completions(got, want)
-
-
-@on_mesh
-def test_on_mesh_overlapped_decode():
-    _overlap_matches(ik.make_mesh(tp=2, ep=4))
+    assert got_slot.keys() == want_slot.keys()
+    for key in want_slot:
+        assert got_slot[key].shape == want_slot[key].shape, key
+        np.testing.assert_allclose(got_slot[key], want_slot[key], rtol=0, atol=1e-5, err_msg=key)
 
 
 @on_mesh
