@@ -30,6 +30,7 @@ from __future__ import annotations
 from functools import partial
 
 import jax
+import jax.extend  # jax.extend.core below: a submodule `import jax` does not load
 import jax.numpy as jnp
 import pytest
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.extend  # jax.extend.core below: a submodule `import jax` does not load
 import jax.numpy as jnp
 import numpy as np
 import pytest
