@@ -208,13 +208,12 @@ def _check_placement(engine, tp: int, ep: int, spec: int, single_layout) -> None
 def test_on_mesh_engine_equals_one_device(tp, ep):
     """Greedy generation with the prefix cache, eager compaction and MTP speculative decoding
     (spec_steps=2): the same tokens as the single-device engine, logprobs within 1e-5, the
-    same cache hits; the tokens are plain greedy's too. (Plain decode steps on a mesh: the
-    warm-up test below, and the one-device mesh above.)"""
+    same cache hits. (Plain decode steps on a mesh: the warm-up test below, and the
+    one-device mesh above.)"""
     want, single_layout = _single(2)
     engine = _engine(ik.make_mesh(tp=tp, ep=ep), spec_steps=2)
     got = engine.generate(PROMPTS, GREEDY)
-    _assert_same_completions(got, want)
-    assert [c.tokens for c in got] == [c.tokens for c in _single(0)[0]]
+    _assert_same_completions(got, want)  # (speculative greedy = plain greedy: test_spec.py, single device)
     stats = engine.stats()
     assert sum(c.cached_tokens for c in got) > 0
     assert stats["compaction_moves"] > 0  # finished requests' slots and pages were moved on the devices
@@ -350,7 +349,7 @@ def test_on_mesh_no_compile_after_warmup():
     assert stats["compaction_moves"] > 0 and stats["cache_hit_tokens"] > 0 and stats["decode_steps"] > 0
     assert stats["overlapped_dispatches"] > 0
     engine.check_invariants()
-    _check_placement(engine, 2, 4, 0, _single(0)[1])
+    _check_placement(engine, 2, 4, 0, _engine().layout)  # (an engine's layout needs no compiled step)
     for prompts, completions in runs:
         for p, c in zip(prompts, completions):
             ref_lp, ref_greedy = reference_logprobs(_params(), CFG, p, c.tokens)
