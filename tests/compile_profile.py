@@ -23,6 +23,8 @@ import os
 import sys
 import time
 
+import pytest
+
 _ENV = "COMPILE_PROFILE_DIR"
 _EVENTS = {"backend_compile_duration": "compile", "jaxpr_trace_duration": "trace",
            "jaxpr_to_mlir_module_duration": "lower"}
@@ -65,9 +67,6 @@ def pytest_configure(config):
     _REC = _Recorder()
     jax.monitoring.register_event_duration_secs_listener(_REC.event)
     compiler.backend_compile_and_load = _REC.wrap(compiler.backend_compile_and_load)
-
-
-import pytest  # noqa: E402
 
 
 @pytest.hookimpl(hookwrapper=True)

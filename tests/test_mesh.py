@@ -22,7 +22,7 @@ from jax.sharding import Mesh
 
 import inkling_jax as ik
 from inkling_jax import parallel as par
-from inkling_jax.model.params import param_shapes
+from inkling_jax.model.params import flat_params, param_shapes
 from inkling_jax.parallel.planner import H200_BYTES, SERVING_MEM_FRACTION, PoolSizes, main as planner_main, plan_memory
 
 from conftest import PARITY_CONFIGS, on_mesh, random_tokens, run_on_mesh_devices
@@ -58,9 +58,9 @@ def test_local_config_is_one_shard(name, tp, ep):
     assert local.expert_intermediate_size * tp == cfg.expert_intermediate_size
     # every leaf's device shape is the local config's, except the router (routing is
     # replicated: global shape) and MTP input_proj (row-parallel: rows / tp)
-    got = _flat(plan.local_params_shape())
-    want = _flat(param_shapes(local))
-    glob = _flat(param_shapes(cfg))
+    got = flat_params(plan.local_params_shape())
+    want = flat_params(param_shapes(local))
+    glob = flat_params(param_shapes(cfg))
     assert got.keys() == want.keys()
     router = {k for k in got if k[-1].startswith("router")}
     input_proj = {k for k in got if k[-1] == "input_proj"}
@@ -225,12 +225,6 @@ def test_planner_cli(capsys):
 # ---------------------------------------------------------------- on 8 host devices
 
 
-def _flat(tree):
-    from inkling_jax.model.params import flat_params
-
-    return flat_params(tree)
-
-
 # (config, tp, ep): tp 4 on tiny / pattern and tp 2 on heads' sliding layers have fewer kv
 # heads than tp (repeated kv heads)
 PARITY_MESHES = [("tiny", 2, 1), ("tiny", 1, 4), ("tiny", 2, 4), ("tiny", 4, 1),
@@ -293,9 +287,9 @@ def test_on_mesh_shards_are_the_local_tensors():
     params = _params("tiny")
     plan = par.ShardPlan(cfg, par.make_mesh(tp=tp, ep=ep))
     sharded = plan.shard_params(params)
-    local_shapes = _flat(plan.local_params_shape())
-    for path, x in _flat(sharded).items():
-        spec = _flat(plan.param_specs())[path]
+    local_shapes = flat_params(plan.local_params_shape())
+    for path, x in flat_params(sharded).items():
+        spec = flat_params(plan.param_specs())[path]
         assert x.sharding.spec == spec, path
         assert len(x.addressable_shards) == tp * ep
         for shard in x.addressable_shards:
@@ -425,7 +419,7 @@ def test_on_mesh_load_pretrained_reads_each_devices_slices(tmp_path, monkeypatch
     assert recorder.reads
     for name, got, whole in recorder.reads:
         assert got < whole or name not in sharded_sources, name
-    local = sum(math.prod(s) for s in _flat(plan.local_params_shape()).values())
+    local = sum(math.prod(s) for s in flat_params(plan.local_params_shape()).values())
     assert sum(n for _, n, _ in recorder.reads) <= local * len(mesh.devices.flat)
 
 

@@ -23,9 +23,11 @@ from jax.sharding import NamedSharding, PartitionSpec
 import inkling_jax as ik
 from inkling_jax import programs
 from inkling_jax.engine import runner as runner_mod
+from inkling_jax.model.params import flat_params
 from inkling_jax.parallel.planner import plan_memory
 
-from conftest import ENGINE_KW, count_xla_compiles, on_mesh, reference_logprobs, run_on_mesh_devices
+from conftest import (ENGINE_KW, assert_same_completions, count_xla_compiles, on_mesh, reference_logprobs,
+                      run_on_mesh_devices)
 
 
 # The tiny preset: TRUNK's layers plus 3 MTP depths. Full layers have 2 kv heads, sliding
@@ -65,12 +67,8 @@ def _single(spec: int):
     return _CACHE["single", spec]
 
 
-def _assert_same_completions(got, want, atol=1e-5):
-    assert [c.tokens for c in got] == [c.tokens for c in want]
-    for g, w in zip(got, want):
-        # psums add the shards' partial sums in another order than one device's matmul
-        np.testing.assert_allclose(g.logprobs, w.logprobs, rtol=0, atol=atol)
-    assert [c.cached_tokens for c in got] == [c.cached_tokens for c in want]
+# assert_same_completions' log-prob tolerance (1e-5): psums add the shards' partial sums in
+# another order than one device's matmul
 
 
 def test_mesh_engine_cases_on_8_host_devices():
@@ -86,7 +84,7 @@ def test_one_device_mesh_equals_no_mesh():
     want, layout = _single(0)
     engine = _engine(ik.make_mesh())
     got = engine.generate(PROMPTS, GREEDY)
-    _assert_same_completions(got, want, atol=1e-6)
+    assert_same_completions(got, want, atol=1e-6)
     # the same layout (its config is the plan's local one, whose vocab slice is set apart)
     assert dataclasses.replace(engine.layout, cfg=layout.cfg) == layout
     assert engine.state.arena.shape == (engine.pool.num_units, 1, layout.unit_elems)
@@ -100,7 +98,7 @@ def test_one_device_mesh_overlapped_decode():
     engine = _engine(ik.make_mesh(), decode_steps=4, overlap=True)
     got = engine.generate(PROMPTS, GREEDY)
     # the decode loop and single steps round log-probs alike up to fusion order
-    _assert_same_completions(got, _single(0)[0], atol=1e-5)
+    assert_same_completions(got, _single(0)[0], atol=1e-5)
     assert engine.stats()["overlapped_dispatches"] > 0
     engine.check_invariants()
 
@@ -153,18 +151,12 @@ def _pool_sizes(spec_steps=0):
 # ---------------------------------------------------------------- on 8 host devices
 
 
-def _flat(tree):
-    from inkling_jax.model.params import flat_params
-
-    return flat_params(tree)
-
-
 def _check_placement(engine, tp: int, ep: int, spec: int, single_layout) -> None:
     """Params in the plan's shardings with each device holding its local tensors; the arena
     [units, tp, unit_elems_local] sharded over tp with the bytes ARENA_BYTES says per device."""
     plan, mesh = engine.plan, engine.mesh
-    shardings, local = _flat(plan.shardings()), _flat(plan.local_params_shape())
-    for path, x in _flat(engine.params).items():
+    shardings, local = flat_params(plan.shardings()), flat_params(plan.local_params_shape())
+    for path, x in flat_params(engine.params).items():
         assert x.sharding.is_equivalent_to(shardings[path], x.ndim), path
         assert len(x.addressable_shards) == tp * ep
         for shard in x.addressable_shards:
@@ -213,7 +205,7 @@ def test_on_mesh_engine_equals_one_device(tp, ep):
     want, single_layout = _single(2)
     engine = _engine(ik.make_mesh(tp=tp, ep=ep), spec_steps=2)
     got = engine.generate(PROMPTS, GREEDY)
-    _assert_same_completions(got, want)  # (speculative greedy = plain greedy: test_spec.py, single device)
+    assert_same_completions(got, want)  # (speculative greedy = plain greedy: test_spec.py, single device)
     stats = engine.stats()
     assert sum(c.cached_tokens for c in got) > 0
     assert stats["compaction_moves"] > 0  # finished requests' slots and pages were moved on the devices
@@ -266,7 +258,7 @@ def test_on_mesh_pallas_kernels_repeated_kv_heads_and_lone_rows(monkeypatch):
         pk._pallas_ops.cache_clear()
     assert (1, cfg.hidden_size) in calls
     (want, want_slot), (got, got_slot) = reads
-    _assert_same_completions(got, want)
+    assert_same_completions(got, want)
     assert got_slot.keys() == want_slot.keys()
     for key in want_slot:
         assert got_slot[key].shape == want_slot[key].shape, key

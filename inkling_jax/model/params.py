@@ -212,7 +212,7 @@ def flat_params(params: Params) -> dict[tuple, Any]:
     """{path: leaf} with paths like ("layers", 3, "attn", "wqkvr") (list positions as ints):
     the keys `Entry.path` and `ShardPlan.flat_layouts` use. Dicts and lists are the nodes;
     an empty one leaves no entry. (Written here rather than taken from flax.traverse_util:
-    importing flax costs every process ~0.15 s of start-up.)"""
+    importing flax cost every process ~0.25 s of start-up, BENCHMARKS.md 2026-12-06.)"""
     flat: dict[tuple, Any] = {}
 
     def walk(path: tuple, tree: Any) -> None:
