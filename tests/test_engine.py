@@ -3,6 +3,7 @@ forward (logprobs), and itself (chunking, compaction replay, recompiles, bad inp
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -11,7 +12,7 @@ import inkling_jax as ik
 from inkling_jax.cache.layout import ArenaLayout
 from inkling_jax.cache.state import init_state, read_slot_field
 from inkling_jax.steps import RowPlan, StepShape, check_batch, compile_step, pack_batch
-from conftest import ENGINE_KW, TRUNK, hf_config, make_engine, perturb_, reference_logprobs
+from conftest import ENGINE_KW, PARITY_CONFIGS, TRUNK, hf_config, make_engine, perturb_, reference_logprobs
 
 GREEDY = ik.SamplingParams(max_new_tokens=24, stop_at_eos=False)
 
@@ -60,6 +61,32 @@ def test_logprobs_and_chunk_sizes(trunk_params, chunk):
         assert c.tokens == ref_greedy.tolist()
         np.testing.assert_allclose(c.logprobs, ref_lp, rtol=0, atol=1e-5)
         assert c.finish_reason == "length" and c.cached_tokens == 0
+
+
+# conftest's "heads" layer pattern without its MTP depths: 5 layers, sliding 0, 2, 3 and full 1, 4
+# (two full layers: pages per full layer), dense 0 and 3 (not a prefix), conv kernel 3, GQA
+# full heads beside sliding heads of another shape
+DEEP = PARITY_CONFIGS["heads"].replace(num_mtp_layers=0, mtp_local_layer_ids=())
+
+
+def test_deep_layer_pattern_matches_the_reference():
+    """The engine tests' TRUNK has one layer of each kind; here every layer's state fields,
+    rings and pages are told apart: several sliding and full layers, chunked prompts past the
+    window (5) and rel_extent (12), then prefix hits restoring every layer's checkpoint.
+    Greedy tokens equal the reference forward's picks and log-probs agree within 1e-5."""
+    params = ik.init_params(DEEP, jax.random.key(5), std=0.1)
+    engine = ik.Engine(DEEP, params, ik.EngineConfig(**{**ENGINE_KW, "max_context": 64}))
+    shared = mixed_prompts(seed=4, lengths=(19,))[0]
+    prompts = [shared + [5, 6, 7], shared[:10], mixed_prompts(seed=5, lengths=(26,))[0]]
+    sp = ik.SamplingParams(max_new_tokens=12, stop_at_eos=False)
+    first = engine.generate(prompts, sp)
+    second = engine.generate([shared + [9, 9]], sp)[0]
+    assert second.cached_tokens == 16  # the checkpoint at 16 (track_interval 8)
+    for p, c in zip(prompts + [shared + [9, 9]], first + [second]):
+        ref_lp, ref_greedy = reference_logprobs(params, DEEP, p, c.tokens)
+        assert c.tokens == ref_greedy.tolist()
+        np.testing.assert_allclose(c.logprobs, ref_lp, rtol=0, atol=1e-5)
+    engine.check_invariants()
 
 
 def test_no_recompiles_after_warmup(trunk_params):

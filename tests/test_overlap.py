@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import inkling_jax as ik
-from conftest import TRUNK, make_engine
+from conftest import LOOP_ATOL, TRUNK, make_engine
 
 K = dict(decode_steps=4)
 
@@ -53,7 +53,7 @@ def test_overlap_equals_synchronous(trunk_params, sampling):
 def test_stop_token_mid_dispatch(trunk_params):
     """Row 0 samples a stop token in the middle of a dispatch while the next dispatch, planned
     ahead, is already queued: the row stops there, the other row runs on, and a request
-    admitted afterwards (into the freed row) is exact."""
+    admitted afterwards (into the freed row) gets the synchronous engine's tokens."""
     prompts = prompts_from(1, (6, 10))
     free = ik.SamplingParams(max_new_tokens=14, stop_at_eos=False)
     ref = make_engine(trunk_params, overlap=False, **K).generate(prompts, free)
@@ -75,7 +75,10 @@ def test_stop_token_mid_dispatch(trunk_params):
     over.check_invariants()
     assert got[0].out_tokens == ref[0].tokens[:6] and got[0].finish_reason == "stop"
     assert [r.out_tokens for r in got] == [r.out_tokens for r in want]
-    assert [r.out_logprobs for r in got] == [r.out_logprobs for r in want]
+    # after row 0 stops, row 1 and the late request share steps here but not in `want` (the late
+    # one runs alone there): other step shapes, so log-probs agree to float32 rounding (LOOP_ATOL)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g.out_logprobs, w.out_logprobs, rtol=0, atol=LOOP_ATOL)
 
 
 def test_abort_with_a_dispatch_ahead(trunk_params):

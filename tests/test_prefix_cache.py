@@ -319,7 +319,7 @@ def test_unified_holds_what_no_static_split_can(trunk_params):
     sp_short = ik.SamplingParams(max_new_tokens=4, stop_at_eos=False)
     sp_long = ik.SamplingParams(max_new_tokens=8, stop_at_eos=False)
     short = prompts_from(7, (10,) * 8)
-    long = prompts_from(8, (650, 640))
+    long = prompts_from(8, (380, 370))
 
     def holds(engine, prompts, sp) -> bool:
         try:
