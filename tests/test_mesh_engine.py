@@ -26,13 +26,14 @@ from inkling_jax.engine import runner as runner_mod
 from inkling_jax.model.params import flat_params
 from inkling_jax.parallel.planner import plan_memory
 
-from conftest import (ENGINE_KW, assert_same_completions, count_xla_compiles, on_mesh, reference_logprobs,
+from conftest import (ENGINE_KW, assert_same_completions, count_xla_compiles, echo_model, on_mesh, reference_logprobs,
                       run_on_mesh_devices)
 
 
-# The tiny preset: TRUNK's layers plus 3 MTP depths. Full layers have 2 kv heads, sliding
-# layers 4, 8 routed experts, vocab 264: it splits over tp 2 and ep 4 without repeated kv heads.
-CFG = ik.InklingConfig.tiny()
+# TRUNK's two layers (sliding dense, full MoE) plus the tiny preset's 3 MTP depths. Full layers
+# have 2 kv heads, sliding layers 4, 8 routed experts, vocab 264: it splits over tp 2 and ep 4
+# without repeated kv heads. (Layers of one kind told apart: test_engine's deep-pattern test.)
+CFG = ik.InklingConfig.tiny(num_layers=2, local_layer_ids=(0,))
 # ENGINE_KW's pool; max_context 64 keeps one page bucket, so an engine compiles two steps
 # (extend + decode, or extend + verify), shared by every engine of the same mesh.
 KW = dict(ENGINE_KW, max_context=64)
@@ -45,13 +46,16 @@ PROMPTS = [_SHARED + list(_rng.randint(3, 256, n)) for n in (3, 6, 9)] + [list(_
 # units x unit elements x 4. tp 2 halves the unit (one K/V page of the local kv heads), but a
 # slot keeps its replicated H-channel attn / mlp windows (and MTP hidden carries), so it
 # takes more of the smaller units: the arena shrinks by less than half, the pages by exactly half.
-ARENA_BYTES = {(1, 0): 473 * 256 * 4, (2, 0): 592 * 128 * 4, (1, 2): 793 * 256 * 4, (2, 2): 963 * 128 * 4}
+# (1, 0): 17 slots (the sink's included) of 10 units (conv windows 3 + 3, ring 4) + 64 pages + 1;
+# (2, 0): 17 slots of 13 half units (conv 5 + 4, ring 4) + 64 pages of one half unit + 1
+ARENA_BYTES = {(1, 0): 235 * 256 * 4, (2, 0): 286 * 128 * 4, (1, 2): 521 * 256 * 4, (2, 2): 623 * 128 * 4}
 _CACHE: dict = {}
 
 
 def _params():
     if "params" not in _CACHE:
-        _CACHE["params"] = ik.init_params(CFG, jax.random.key(0), std=0.1)
+        # echo_model: MTP heads whose drafts get accepted (random heads almost never draft right)
+        _CACHE["params"] = echo_model(CFG, ik.init_params(CFG, jax.random.key(0), std=0.1))
     return _CACHE["params"]
 
 
@@ -135,7 +139,7 @@ def test_mesh_arena_must_fit_each_device(monkeypatch):
     per_device = plan_memory(CFG, jnp.float32, ik.ShardPlan(CFG, mesh), _pool_sizes()).arena
     assert per_device == ARENA_BYTES[1, 0]
     monkeypatch.setattr(runner_mod, "available_memory", lambda device=None: per_device - 1)
-    with pytest.raises(ValueError, match=r"needs 0\.00 GiB per device \(16 slots x 24 \+ 64 pages x 1 units.* "
+    with pytest.raises(ValueError, match=r"needs 0\.00 GiB per device \(16 slots x 10 \+ 64 pages x 1 units.* "
                                          r"tp=1 x ep=1\) but .* GiB free"):
         _engine(mesh)
     monkeypatch.setattr(runner_mod, "available_memory", lambda device=None: per_device)
@@ -238,7 +242,7 @@ def test_on_mesh_pallas_kernels_repeated_kv_heads_and_lone_rows(monkeypatch):
     monkeypatch.setattr(moe_pallas, "moe_experts", spy)
     pk._pallas_ops.cache_clear()
     try:
-        cfg = ik.InklingConfig.tiny(n_routed_experts=16)  # (CFG's 8: 4 a shard, 2 > 4 / 3 choices go dense)
+        cfg = CFG.replace(n_routed_experts=16)  # (CFG's 8: 4 a shard, 2 > 4 / 3 choices go dense)
         params = ik.init_params(cfg, jax.random.key(0), std=0.1)
         kw = dict(KW, max_running=1, min_batch_bucket=1)
         sampling = ik.SamplingParams(max_new_tokens=4, stop_at_eos=False)
