@@ -16,7 +16,7 @@ import cpu_flags
 SHARED = "The short convolution keeps a window of the last few inputs; "
 PROMPTS = [SHARED + "what else?", "Attention with a sliding window", SHARED + "what else?"]
 # max_running 1: requests run one after another, so the repeat is served from the prefix cache
-FLAGS = ["--model", "tiny", "--max-new-tokens", "6", "--max-running", "1", "--ignore-eos", "--no-progress",
+FLAGS = ["--max-new-tokens", "6", "--max-running", "1", "--ignore-eos", "--no-progress",
          "--no-stream"]
 
 
@@ -33,6 +33,17 @@ def number(s: str) -> float:
     return float(re.match(r"[-\d.]+", s).group())
 
 
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> str:
+    """The model directory most runs here serve: the tiny preset's MTP depths on TRUNK's two
+    layers (sliding dense, full MoE), random weights; half the compile of the preset's four.
+    The tiny preset by name: test_persist's CLI runs and the error tests below."""
+    path = tmp_path_factory.mktemp("cli") / "model"
+    cfg = ik.InklingConfig.tiny(num_layers=2, local_layer_ids=(0,))
+    ik.save_pretrained(path, cfg, ik.init_params(cfg, jax.random.key(0)))
+    return str(path)
+
+
 def run_cli(capsys, argv):
     rc = cli.main(argv)
     out, err = capsys.readouterr()
@@ -40,8 +51,8 @@ def run_cli(capsys, argv):
     return out
 
 
-def test_generate_prints_completions_and_stats(capsys, tmp_path):
-    out = run_cli(capsys, ["--prompt", *PROMPTS, *FLAGS])
+def test_generate_prints_completions_and_stats(capsys, tmp_path, model):
+    out = run_cli(capsys, ["--model", model, "--prompt", *PROMPTS, *FLAGS])
     for p in PROMPTS:
         assert repr(p) in out
     texts = completions(out)
@@ -64,13 +75,10 @@ def test_generate_prints_completions_and_stats(capsys, tmp_path):
     assert "(speculative decoding off)" in s["accept length"]
     assert re.search(rf"\b{hits} prompt tokens cached\)", out)
 
-    # the same model saved as a directory, prompts from a file: same geometry, so no new
-    # compile (the compiled steps are cached process-wide), and the same greedy text
-    cfg = ik.InklingConfig.tiny()
-    ik.save_pretrained(tmp_path / "model", cfg, ik.init_params(cfg, jax.random.key(0)))
+    # the same prompts from a file: same geometry, so no new compile (the compiled steps are
+    # cached process-wide), and the same greedy text
     (tmp_path / "prompts.txt").write_text("\n".join(PROMPTS) + "\n\n")
-    out2 = run_cli(capsys, ["--model", str(tmp_path / "model"), "--prompts-file",
-                            str(tmp_path / "prompts.txt"), *FLAGS])
+    out2 = run_cli(capsys, ["--model", model, "--prompts-file", str(tmp_path / "prompts.txt"), *FLAGS])
     assert len(completions(out2)) == 3
     s2 = stats_table(out2)
     assert number(s2["cache-hit tokens"]) == hits
@@ -91,11 +99,11 @@ def test_default_model_writes_english_like_text(capsys):
     assert accept >= 1.8
 
 
-def test_stream_prints_the_batch_text_as_it_comes(capsys):
+def test_stream_prints_the_batch_text_as_it_comes(capsys, model):
     """The default streams: the same completions as --no-stream, printed raw in prompt order
     (with --n samples as [i.j]), each followed by its line; the sampling flags reach
     SamplingParams (a stop string cuts the text, --logprobs prints alternatives)."""
-    flags = ["--model", "tiny", "--max-new-tokens", "8", "--max-running", "2", "--ignore-eos", "--no-progress",
+    flags = ["--model", model, "--max-new-tokens", "8", "--max-running", "2", "--ignore-eos", "--no-progress",
              "--prompt", "abc", "defg", "--n", "2", "--temperature", "0.9", "--min-p", "0.01",
              "--repetition-penalty", "1.2", "--presence-penalty", "0.3", "--frequency-penalty", "0.1",
              "--logit-bias", "65=1.5", "--min-tokens", "1", "--logprobs", "2", "--no-warmup"]
@@ -174,26 +182,27 @@ def test_bad_model_files_are_one_line(capsys, tmp_path, contents):
 # ------------------------------------------------------------------ mesh and several processes
 
 # --no-warmup: these runs check meshes and processes, not the warm-up (test_generate_prints_completions_and_stats
-# runs the CLI's background warm-up; test_programs.py checks warmup(wait=False) itself). The tiny preset: a
-# mesh's collectives do not depend on the weights, and the shipped model's programs compile twice as long
-MESH_FLAGS = ["--model", "tiny", "--prompt", *PROMPTS[:2], "--max-new-tokens", "4", "--max-running", "1",
+# runs the CLI's background warm-up; test_programs.py checks warmup(wait=False) itself). The `model` fixture:
+# a mesh's collectives do not depend on the weights, and the shipped model's programs compile twice as long
+MESH_FLAGS = ["--prompt", *PROMPTS[:2], "--max-new-tokens", "4", "--max-running", "1",
               "--page-size", "4", "--ignore-eos", "--no-progress", "--no-stream", "--no-warmup"]
 
 
-def test_mesh_flags_on_one_process(capsys, monkeypatch):
+def test_mesh_flags_on_one_process(capsys, monkeypatch, model):
     """--tp 1 --ep 1 serves on a one-device mesh (the shard_map path) with the no-mesh
     completions; the distributed flags reach jax.distributed.initialize before the run."""
-    plain = run_cli(capsys, MESH_FLAGS)
+    mesh_flags = ["--model", model, *MESH_FLAGS]
+    plain = run_cli(capsys, mesh_flags)
     calls = []
     monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: calls.append(kw))
-    out = run_cli(capsys, [*MESH_FLAGS, "--tp", "1", "--ep", "1", "--coordinator", "localhost:1234",
+    out = run_cli(capsys, [*mesh_flags, "--tp", "1", "--ep", "1", "--coordinator", "localhost:1234",
                            "--num-processes", "1", "--process-id", "0"])
     assert calls == [dict(coordinator_address="localhost:1234", num_processes=1, process_id=0)]
     assert "mesh: tp=1 x ep=1 over 1 cpu devices, 1 process(es)" in out
     assert completions(out) == completions(plain) and len(completions(out)) == 2
     # only process 0 prints: another process runs the same loop silently
     monkeypatch.setattr(jax, "process_index", lambda *a: 1)
-    assert cli.main([*MESH_FLAGS, "--tp", "1"]) == 0
+    assert cli.main([*mesh_flags, "--tp", "1"]) == 0
     assert capsys.readouterr().out == ""
 
 
@@ -216,7 +225,7 @@ def test_mesh_flag_errors_are_one_line(capsys, monkeypatch, argv, message):
     assert err.count("\n") == 1
 
 
-def test_two_processes_on_localhost(capsys):
+def test_two_processes_on_localhost(capsys, model):
     """A real two-process run on this host: jax.distributed over localhost, one CPU device
     per process, a tp=2 mesh spanning both (cross-process collectives: gloo). Process 0
     prints the single-process completions; process 1 prints none."""
@@ -230,7 +239,7 @@ def test_two_processes_on_localhost(capsys):
         port = s.getsockname()[1]
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=cpu_flags.TEST_XLA_FLAGS)
-    argv = [sys.executable, "-m", "inkling_jax.cli", *MESH_FLAGS, "--tp", "2",
+    argv = [sys.executable, "-m", "inkling_jax.cli", "--model", model, *MESH_FLAGS, "--tp", "2",
             "--coordinator", f"localhost:{port}", "--num-processes", "2"]
     procs = [subprocess.Popen([*argv, "--process-id", str(i)], cwd=repo, env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for i in range(2)]
@@ -239,4 +248,4 @@ def test_two_processes_on_localhost(capsys):
         assert p.returncode == 0, err[-3000:]
     assert "mesh: tp=2 x ep=1 over 2 cpu devices, 2 process(es)" in outs[0][0]
     assert completions(outs[1][0]) == [] and "stats:" not in outs[1][0]
-    assert completions(outs[0][0]) == completions(run_cli(capsys, MESH_FLAGS))
+    assert completions(outs[0][0]) == completions(run_cli(capsys, ["--model", model, *MESH_FLAGS]))
