@@ -25,7 +25,7 @@ import inkling_jax as ik
 
 from bench import REPO
 from bench.common.helpers import Report, log, table
-from bench.serve.loop import bench_config
+from bench.serve.loop import bench_config, model_config
 
 SERVE = [sys.executable, "-m", "bench.serve.serve"]  # a child, run in REPO
 STARTUP_NEW = 16  # tokens the first generate makes
@@ -93,8 +93,7 @@ def startup_child(args) -> int:
 
     jax.monitoring.register_event_duration_secs_listener(listen)
     t0 = time.perf_counter()  # just after `import inkling_jax` (serve.py's imports)
-    cfg = ik.InklingConfig.tiny(num_mtp_layers=0, mtp_local_layer_ids=()) if args.smoke else \
-        ik.InklingConfig.bench(num_mtp_layers=0, mtp_local_layer_ids=())
+    cfg = model_config(args.smoke, mtp=False)
     params = ik.init_params(cfg, jax.random.key(0), dtype=jnp.float32 if args.smoke else jnp.bfloat16,
                             compile_cache=args.startup_child)
     jax.block_until_ready(params)
@@ -172,7 +171,7 @@ def section_startup(args, report: Report) -> None:
                 continue
             log(f"startup {run_name}: {res} (process {wall:.1f} s)")
             if run_name == "cold":  # (the jnp runs' init_params is the same)
-                model = "tiny model (no MTP), fp32" if args.smoke else "bench model (no MTP), bf16"
+                model = "tiny model (2 layers, no MTP), fp32" if args.smoke else "bench model (no MTP), bf16"
                 rows.insert(1, [f"init_params, {model}, block_until_ready", f"{res['params_s']:.1f}",
                                 f"<= {INIT_TARGET_S:.0f}", met(res["params_s"], INIT_TARGET_S)])
             rows.append([what, f"{res['total_s']:.1f}", f"<= {START_TARGET_S:.0f}",
@@ -187,7 +186,7 @@ def section_startup(args, report: Report) -> None:
                 notes.append(f"the {run_name} engine's compile cache was {res['cache_dir']!r}, not the fresh directory")
     notes.append("entries: files in the cache directory before the run (the XLA cache keeps compiles of 1 s or more; "
                  "the executable cache every program)")
-    smoke = " (smoke: tiny model, CPU)" if args.smoke else ""
+    smoke = " (smoke: 2-layer tiny model, CPU)" if args.smoke else ""
     report.add(f"### Start-up in fresh processes{smoke}: {args.prompt_len}-token prompt, {STARTUP_NEW} new tokens, "
                f"the batch-1 decode engine config, prefix cache off\n\n"
                + table(["what", "seconds", "target", "met"], rows) + "\n\n" + "; ".join(notes), "startup")

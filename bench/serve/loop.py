@@ -100,6 +100,16 @@ def with_decode_steps(config: ik.EngineConfig, decode_steps: int) -> ik.EngineCo
     return dataclasses.replace(config, decode_steps=decode_steps)
 
 
+def model_config(smoke: bool, mtp: bool = True) -> ik.InklingConfig:
+    """The model the sections serve: the bench preset, or with --smoke (CPU: checks the
+    scripts, measures nothing) the tiny preset on two layers (sliding dense, full MoE: every
+    kind of state at half the compile of its four). mtp False: without the MTP depths."""
+    no_mtp = {} if mtp else dict(num_mtp_layers=0, mtp_local_layer_ids=())
+    if smoke:
+        return ik.InklingConfig.tiny(num_layers=2, local_layer_ids=(0,), **no_mtp)
+    return ik.InklingConfig.bench(**no_mtp)
+
+
 def bench_config(args, running: int, prefix: bool, decode_steps: int = 1) -> ik.EngineConfig:
     """One bucket per dimension for the bench model: few compiles."""
     page = 16 if args.smoke else 64

@@ -82,8 +82,8 @@ from bench import REPO
 from bench.common.helpers import Report, copy_bandwidth, device_params, log, table
 from bench.decode.runs import decode_bytes
 from bench.serve.fresh import section_flags, section_startup, startup_child
-from bench.serve.loop import (bench_config, decode_ms_per_token, parse_decode_steps, phases, run, tiny_config,
-                              warm)
+from bench.serve.loop import (bench_config, decode_ms_per_token, model_config, parse_decode_steps, phases, run,
+                              tiny_config, warm)
 from bench.serve.prefill import section_prefill
 
 SECTIONS = ("prefix", "decode", "prefill", "verify", "spec", "fidelity", "mesh", "startup", "flags")
@@ -231,7 +231,7 @@ def section_verify(args, report: Report) -> None:
     from inkling_jax.engine import runner as runner_mod
     from pallas_kernels import ops as kernel_bounds
 
-    cfg = ik.InklingConfig.tiny() if args.smoke else ik.InklingConfig.bench()
+    cfg = model_config(args.smoke)
     params = device_params(cfg, 0, jnp.float32 if args.smoke else jnp.bfloat16)
     spec = min(args.spec_steps, cfg.num_mtp_layers)
     bounds = [float(x) for x in args.few_token_bounds.split(",") if x.strip()]
@@ -433,8 +433,7 @@ def main(argv=None) -> int:
     need_bench = {"prefix", "decode", "prefill", "mesh"} & set(sections)
     cfg = params = None
     if need_bench:
-        cfg = ik.InklingConfig.tiny(num_mtp_layers=0, mtp_local_layer_ids=()) if args.smoke else \
-            ik.InklingConfig.bench(num_mtp_layers=0, mtp_local_layer_ids=())
+        cfg = model_config(args.smoke, mtp=False)
         t0 = time.perf_counter()
         params = device_params(cfg, 0, jnp.float32 if args.smoke else jnp.bfloat16)
         jax.block_until_ready(params)
