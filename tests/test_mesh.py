@@ -225,10 +225,10 @@ def test_planner_cli(capsys):
 # ---------------------------------------------------------------- on 8 host devices
 
 
-# (config, tp, ep): tp 4 on tiny / pattern and tp 2 on heads' sliding layers have fewer kv
-# heads than tp (repeated kv heads)
-PARITY_MESHES = [("tiny", 2, 1), ("tiny", 1, 4), ("tiny", 2, 4), ("tiny", 4, 1),
-                 ("heads", 2, 1), ("heads", 2, 3), ("pattern", 4, 2), ("pattern", 1, 8)]
+# (config, tp, ep): each kind of mesh once: tp alone (heads 2 x 1), ep alone (pattern 1 x 8),
+# both (tiny 2 x 4, heads 2 x 3: 6 of the 8 devices), fewer kv heads than tp (repeated kv heads:
+# pattern's full layers at tp 4, heads' sliding layers at tp 2). Every case is an 8-device compile.
+PARITY_MESHES = [("tiny", 2, 4), ("heads", 2, 1), ("heads", 2, 3), ("pattern", 4, 2), ("pattern", 1, 8)]
 _PARAMS: dict = {}
 _REFERENCE: dict = {}
 
