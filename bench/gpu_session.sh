@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# The GPU measurements issue 17 still owes, as named parts, so that one device call runs a
-# chosen few of them in order (each under a time limit, each into its own log under OUT):
+# The GPU measurements issue 36 owes, as named parts, so that one device call runs a chosen
+# few of them in order (each under a time limit, each into its own log under OUT):
 #
-#     bash bench/gpu_session.sh OUT check modes decode      # ~7 min (estimates, not yet run;
-#     bash bench/gpu_session.sh OUT verify prefill moe      # ~8 min   one device call per line)
-#     bash bench/gpu_session.sh OUT profile sweep           # ~8 min
+#     bash bench/gpu_session.sh OUT profile                 # next: the verify step against decode
+#     bash bench/gpu_session.sh OUT modes decode            # (estimates, one device call per line:
+#     bash bench/gpu_session.sh OUT verify prefill moe      #  ~8 min; `modes` needs check.json)
+#     bash bench/gpu_session.sh OUT sweep
+#
+# Done on an H100 (BENCHMARKS.md, 2026-12-07): spec (260 s) and check (378 s).
 #
 # Parts:
 #   check    bench.check.gpu_check: Pallas == jnp greedy (small preset, fp32 / bf16) and the
