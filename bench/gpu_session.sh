@@ -3,9 +3,9 @@
 # few of them in order (each under a time limit, each into its own log under OUT):
 #
 #     bash bench/gpu_session.sh OUT profile                 # next: the verify step against decode
-#     bash bench/gpu_session.sh OUT modes decode            # (estimates, one device call per line:
-#     bash bench/gpu_session.sh OUT verify prefill moe      #  ~8 min; `modes` needs check.json)
-#     bash bench/gpu_session.sh OUT sweep
+#     bash bench/gpu_session.sh OUT check modes decode      # (~8 min a line, one device call each;
+#     bash bench/gpu_session.sh OUT verify prefill moe      #  modes compares with check's outputs
+#     bash bench/gpu_session.sh OUT sweep                   #  in the same OUT)
 #
 # Done on an H100 (BENCHMARKS.md, 2026-12-07): spec (260 s) and check (378 s).
 #
