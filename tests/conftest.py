@@ -87,12 +87,15 @@ def random_tokens(cfg: ik.InklingConfig, shape, seed: int = 0) -> np.ndarray:
 
 # ------------------------------------------------------------------ engine fixtures
 
-# The engine tests' model: two layers of the tiny preset, a sliding dense one and a full MoE one
-# (every kind of serving state at half the compile of the preset's four), no MTP tensors: what
-# HF's save_pretrained round-trips, so engine tests and the HF generate test share compiled
-# steps. Deeper layer patterns (several sliding and full layers, each with its own state
-# fields and pages): test_engine's `test_deep_layer_pattern_matches_the_reference`.
-TRUNK = ik.InklingConfig.tiny(num_layers=2, local_layer_ids=(0,), num_mtp_layers=0, mtp_local_layer_ids=())
+# The tiny preset on two layers, a sliding dense one and a full MoE one, with its three MTP
+# depths (the middle one banded): the cheapest model with every kind of target and draft state,
+# at half the compile of the preset's four layers. Deeper layer patterns (several sliding and
+# full layers, each with its own state fields and pages): test_engine's
+# `test_deep_layer_pattern_matches_the_reference`.
+TWO_LAYER = ik.InklingConfig.tiny(num_layers=2, local_layer_ids=(0,))
+# The engine tests' model: TWO_LAYER without MTP tensors, what HF's save_pretrained
+# round-trips, so engine tests and the HF generate test share compiled steps.
+TRUNK = TWO_LAYER.replace(num_mtp_layers=0, mtp_local_layer_ids=())
 
 # One pool geometry shared by most engine tests (compiled steps are cached process-wide by
 # shape): tiny pages and a short checkpoint interval so windows, rel_extent, pages and

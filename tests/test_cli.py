@@ -12,6 +12,7 @@ import inkling_jax as ik
 from inkling_jax import cli
 
 import cpu_flags
+from conftest import TWO_LAYER
 
 SHARED = "The short convolution keeps a window of the last few inputs; "
 PROMPTS = [SHARED + "what else?", "Attention with a sliding window", SHARED + "what else?"]
@@ -35,12 +36,11 @@ def number(s: str) -> float:
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory) -> str:
-    """The model directory most runs here serve: the tiny preset's MTP depths on TRUNK's two
-    layers (sliding dense, full MoE), random weights; half the compile of the preset's four.
+    """The model directory most runs here serve: conftest's TWO_LAYER, random weights (half the
+    compile of the tiny preset's four layers).
     The tiny preset by name: test_persist's CLI runs and the error tests below."""
     path = tmp_path_factory.mktemp("cli") / "model"
-    cfg = ik.InklingConfig.tiny(num_layers=2, local_layer_ids=(0,))
-    ik.save_pretrained(path, cfg, ik.init_params(cfg, jax.random.key(0)))
+    ik.save_pretrained(path, TWO_LAYER, ik.init_params(TWO_LAYER, jax.random.key(0)))
     return str(path)
 
 

@@ -106,11 +106,9 @@ def test_decode_attention_ignores_stale_rows(kind, bad):
 # ------------------------------------------------------------------ the engine
 
 import inkling_jax as ik  # noqa: E402
-from conftest import ENGINE_KW  # noqa: E402
+from conftest import ENGINE_KW, TWO_LAYER  # noqa: E402
 
-# two trunk layers (sliding dense, full MoE) and three MTP depths: every kind of state
-CFG = ik.InklingConfig.tiny(num_layers=2, local_layer_ids=(0,), dense_layer_ids=(0,), num_mtp_layers=3,
-                            mtp_local_layer_ids=(1,))
+CFG = TWO_LAYER  # every kind of state (conftest)
 VOCAB = CFG.unpadded_vocab_size
 KW = {**ENGINE_KW, "max_running": 3, "min_batch_bucket": 4}  # one batch bucket: few compiles
 GREEDY = ik.SamplingParams(max_new_tokens=6, stop_at_eos=False)

@@ -42,12 +42,9 @@ from hypothesis import strategies as st
 import inkling_jax as ik
 from inkling_jax.tokenizer import ByteTokenizer
 
-from conftest import echo_model
+from conftest import TWO_LAYER, echo_model
 
-# two trunk layers (sliding dense, full MoE) and three MTP depths (the middle one banded): the
-# cheapest model with every kind of target and draft state
-CFG = ik.InklingConfig.tiny(num_layers=2, local_layer_ids=(0,), dense_layer_ids=(0,), num_mtp_layers=3,
-                            mtp_local_layer_ids=(1,))
+CFG = TWO_LAYER  # the cheapest model with every kind of target and draft state (conftest)
 VOCAB = CFG.unpadded_vocab_size
 TOKENIZER = ByteTokenizer(CFG)
 LOGPROB_ATOL = 1e-4  # fp32: steps of different shapes sum attention and MoE in other orders (~1e-6 seen)

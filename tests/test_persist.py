@@ -17,13 +17,11 @@ import numpy as np
 import pytest
 
 import inkling_jax as ik
-from conftest import ENGINE_KW
+from conftest import ENGINE_KW, TRUNK
 from inkling_jax.engine import persist
 from inkling_jax.engine.fake_runner import FakeRunner, fake_generate, fake_params
 
-# two trunk layers (a sliding dense one, a full MoE one): every kind of state, few compiles
-CFG = ik.InklingConfig.tiny(num_layers=2, local_layer_ids=(0,), dense_layer_ids=(0,), num_mtp_layers=0,
-                              mtp_local_layer_ids=())
+CFG = TRUNK  # every kind of state, few compiles (conftest)
 SP = ik.SamplingParams(max_new_tokens=5, stop_at_eos=False)
 VOCAB = CFG.unpadded_vocab_size
 

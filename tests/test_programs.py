@@ -24,14 +24,12 @@ from inkling_jax import cli, programs
 from inkling_jax.compile_cache import EXECUTABLE_CACHE_ENV, ExecutableCacheWarning, ExecutableStore
 
 import cpu_flags
-from conftest import count_xla_compiles, make_engine
+from conftest import TRUNK, count_xla_compiles, make_engine
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPTS = [[1, 2, 3, 4, 5], [9, 8, 7]]
 SAMPLING = ik.SamplingParams(max_new_tokens=3, stop_at_eos=False)
-# two layers (one sliding, one full): programs that compile in about a second
-SMALL = ik.InklingConfig.tiny(num_layers=2, local_layer_ids=(0,), dense_layer_ids=(0,), num_mtp_layers=0,
-                              mtp_local_layer_ids=())
+SMALL = TRUNK  # two layers (one sliding, one full): programs that compile in about a second
 
 
 @pytest.fixture(scope="module")

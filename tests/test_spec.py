@@ -12,12 +12,9 @@ import pytest
 
 import inkling_jax as ik
 from inkling_jax.steps import StepShape
-from conftest import ENGINE_KW, assert_same_completions, echo_model
+from conftest import ENGINE_KW, TWO_LAYER, assert_same_completions, echo_model
 
-# Two trunk layers (a sliding dense one and a full MoE one) and three MTP depths, the middle
-# one banded: every kind of draft state, at half the compile time of the tiny preset.
-SPEC_CFG = ik.InklingConfig.tiny(num_layers=2, local_layer_ids=(0,), dense_layer_ids=(0,), num_mtp_layers=3,
-                                 mtp_local_layer_ids=(1,))
+SPEC_CFG = TWO_LAYER  # every kind of draft state (conftest)
 # Committed state of a speculative run vs a plain one: equal up to float32 rounding, not bit
 # for bit: verify batches spec_steps + 1 positions per row where decode has one, so XLA's CPU
 # kernels accumulate attention and MoE sums in another order (measured: ~2e-6 absolute).
