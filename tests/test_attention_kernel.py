@@ -9,6 +9,8 @@ reference the normalised ones; see `pallas_kernels/attention/pallas.py`). Small 
 
 from __future__ import annotations
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -25,8 +27,14 @@ SMALL = dict(bq=16, bk=16)
 TOL = {jnp.float32: dict(rtol=1e-5, atol=1e-5), jnp.bfloat16: dict(rtol=2e-2, atol=2e-2)}
 
 
+def arr(x, dtype=None):
+    """x as a device array, cast on the host (round to nearest even, as XLA's convert):
+    jnp.asarray / astype on host data compile a tiny XLA program (stage, convert) per shape."""
+    return jax.device_put(np.asarray(x, dtype))
+
+
 def rand(rng, shape, dtype=jnp.float32, scale=1.0):
-    return jnp.asarray(scale * rng.standard_normal(shape), jnp.float32).astype(dtype)
+    return arr(np.asarray(scale * rng.standard_normal(shape), np.float32), dtype)
 
 
 def close(a, b, rtol, atol):
@@ -41,8 +49,15 @@ def true_float32_references():
         yield
 
 
+# The kernel (its glue: padding, live_blocks), the reference and live_blocks under jax.jit: one
+# XLA compile per function and shape, not one per jnp op as when called eagerly.
+attention = jax.jit(partial(attn.attention, interpret=INTERPRET), static_argnames=("window", "bq", "bk"))
+ref_attention = jax.jit(attn_ref.attention, static_argnames="window")
+live_blocks = jax.jit(attn.live_blocks, static_argnames=("window", "rel_extent", "bq", "bk"))
+
+
 def kernel(*args, window, **kw):
-    return attn.attention(*args, window=window, **{**SMALL, **kw}, interpret=INTERPRET)
+    return attention(*args, window=window, **{**SMALL, **kw})
 
 
 def allowed_np(q_pos, k_pos, k_valid, window):
@@ -63,7 +78,7 @@ def make_case(rng, *, b, nq, nk, h, hkv, d, e, dtype, layout, q_start, invalid_f
     k_valid = rng.random((b, nk)) >= invalid_frac
     if layout == "ring":
         k_pos = np.where(k_valid, k_pos, -1).astype(np.int32)  # empty ring slots: negative positions
-    return q, k, v, rel, jnp.asarray(q_pos), jnp.asarray(k_pos), jnp.asarray(k_valid)
+    return q, k, v, rel, arr(q_pos), arr(k_pos), arr(k_valid)
 
 
 CASES = {
@@ -83,7 +98,7 @@ def test_kernel_matches_reference(name):
     args = make_case(rng, b=2, nq=nq, nk=nk, h=h, hkv=hkv, d=16, e=e, dtype=dtype, layout=layout, q_start=q_start,
                      invalid_frac=invalid)
     out = kernel(*args, window=window)
-    want = attn_ref.attention(*args, window=window)
+    want = ref_attention(*args, window=window)
     assert out.shape == args[0].shape and out.dtype == dtype
     close(out, want, **TOL[dtype])
     # rows with an allowed key are not zero; the others are exactly zero
@@ -92,8 +107,8 @@ def test_kernel_matches_reference(name):
     assert has_key.any() and (norms[has_key] > 0).all()
     assert (norms[~has_key] == 0).all()
     if name == "f32_gqa8_beyond_E":  # the bias matters where it applies: without it the result differs
-        no_bias = attn_ref.attention(*args[:3], jnp.zeros_like(args[3]), *args[4:], window=window)
-        assert float(jnp.max(jnp.abs(no_bias - want))) > 1e-3
+        no_bias = ref_attention(*args[:3], arr(np.zeros(args[3].shape, args[3].dtype)), *args[4:], window=window)
+        assert np.abs(np.asarray(no_bias) - np.asarray(want)).max() > 1e-3
 
 
 def test_queries_without_allowed_keys_give_zeros():
@@ -102,14 +117,14 @@ def test_queries_without_allowed_keys_give_zeros():
     rng = np.random.default_rng(7)
     q, k, v, rel, _, k_pos, k_valid = make_case(rng, b=3, nq=20, nk=40, h=4, hkv=2, d=16, e=16, dtype=jnp.float32,
                                                 layout="sorted", q_start=0)
-    k_pos = k_pos + 10  # keys at 10..49
-    q_pos = jnp.asarray(np.stack([np.arange(20),  # queries 0..9 precede every key
-                                  np.arange(20) + 30,  # row 1: all keys invalid below
-                                  np.arange(20) * 5]), jnp.int32)  # row 2: late queries outrun the window
-    k_valid = k_valid.at[1].set(False)
+    k_pos = arr(np.asarray(k_pos) + 10)  # keys at 10..49
+    q_pos = arr(np.stack([np.arange(20),  # queries 0..9 precede every key
+                          np.arange(20) + 30,  # row 1: all keys invalid below
+                          np.arange(20) * 5]), np.int32)  # row 2: late queries outrun the window
+    k_valid = arr(np.asarray(k_valid) & np.asarray([[True], [False], [True]]))  # row 1: none valid
     window = 12
     out = kernel(q, k, v, rel, q_pos, k_pos, k_valid, window=window)
-    close(out, attn_ref.attention(q, k, v, rel, q_pos, k_pos, k_valid, window=window), rtol=1e-5, atol=1e-5)
+    close(out, ref_attention(q, k, v, rel, q_pos, k_pos, k_valid, window=window), rtol=1e-5, atol=1e-5)
     has_key = allowed_np(q_pos, k_pos, k_valid, window).any(-1)
     assert not has_key[0, :10].any() and has_key[0, 10:].all() and not has_key[1].any()
     assert has_key[2].any() and not has_key[2].all()
@@ -127,10 +142,12 @@ def test_dead_key_blocks_are_skipped(window):
     bq, bk = SMALL["bq"], SMALL["bk"]
     q, k, v, rel, q_pos, k_pos, k_valid = make_case(rng, b=2, nq=40, nk=96, h=4, hkv=1, d=16, e=32,
                                                     dtype=jnp.float32, layout="sorted", q_start=20)
-    k_valid = k_valid.at[0, 32:48].set(False)  # row 0: key block 2 has no valid key
+    k_valid = np.array(k_valid)
+    k_valid[0, 32:48] = False  # row 0: key block 2 has no valid key
+    k_valid = arr(k_valid)
     nk_blocks = 96 // bk
-    q_pad = jnp.pad(q_pos, ((0, 0), (0, 48 - 40)), mode="edge")
-    order, ends = attn.live_blocks(q_pad, k_pos, k_valid, window, 32, bq, bk)
+    q_pad = arr(np.pad(np.asarray(q_pos), ((0, 0), (0, 48 - 40)), mode="edge"))
+    order, ends = live_blocks(q_pad, k_pos, k_valid, window, 32, bq, bk)
     assert order.dtype == ends.dtype == jnp.int32
     allowed = allowed_np(q_pad, k_pos, k_valid, window)  # [B, Qp, K]
     pair = allowed.reshape(2, 3, bq, nk_blocks, bk).any(axis=(2, 4))  # [B, nq, nk]: block holds an allowed pair
@@ -143,15 +160,14 @@ def test_dead_key_blocks_are_skipped(window):
     assert (count < nk_blocks).all()
     dead = ~pair.any(axis=1)  # [B, nk]: key blocks no query block uses
     assert dead.sum() >= 3  # the future blocks (keys >= 68), row 0's invalid block, (window) the old ones
-    dead_keys = jnp.asarray(np.repeat(dead, bk, axis=1))[:, :, None, None]
-    poisoned_k = jnp.where(dead_keys, jnp.nan, k)
-    poisoned_v = jnp.where(dead_keys, jnp.nan, v)
+    dead_keys = np.repeat(dead, bk, axis=1)[:, :, None, None]
+    poisoned_k, poisoned_v = (arr(np.where(dead_keys, np.nan, x), np.float32) for x in (k, v))
+    zeroed_k, zeroed_v = (arr(np.where(dead_keys, 0.0, x), np.float32) for x in (k, v))
     out = kernel(q, poisoned_k, poisoned_v, rel, q_pos, k_pos, k_valid, window=window)
-    want = attn_ref.attention(q, jnp.where(dead_keys, 0.0, k), jnp.where(dead_keys, 0.0, v), rel, q_pos, k_pos,
-                              k_valid, window=window)
+    want = ref_attention(q, zeroed_k, zeroed_v, rel, q_pos, k_pos, k_valid, window=window)
     assert np.isfinite(np.asarray(out)).all()
     close(out, want, rtol=1e-5, atol=1e-5)
-    assert float(jnp.abs(out).max()) > 0.1
+    assert np.abs(np.asarray(out)).max() > 0.1
 
 
 def far_case(rng, *, dtype, layout, window, e=16, invalid_frac=0.15):
@@ -179,7 +195,7 @@ def far_case(rng, *, dtype, layout, window, e=16, invalid_frac=0.15):
     k_valid = rng.random((b, nk)) >= invalid_frac
     k_valid[1] &= (k_pos[1] < 24) | ((k_pos[1] >= 80) & (k_pos[1] <= 120))
     k_pos = np.where(k_valid, k_pos, -7 if layout == "shuffled" else k_pos).astype(np.int32)
-    return q, k, v, rel, jnp.asarray(q_pos), jnp.asarray(k_pos), jnp.asarray(k_valid)
+    return q, k, v, rel, arr(q_pos), arr(k_pos), arr(k_valid)
 
 
 FAR_CASES = {
@@ -197,7 +213,7 @@ def check_block_classes(q_pos, k_pos, k_valid, window, e, bq, bk):
     a far block has a valid key and every (query, valid key) pair allowed at distance >= e
     (class 0: every key valid); every block holding an allowed pair is live. Returns the
     number of blocks of each class."""
-    order, ends = attn.live_blocks(q_pos, k_pos, k_valid, window, e, bq, bk)
+    order, ends = live_blocks(q_pos, k_pos, k_valid, window, e, bq, bk)
     assert order.dtype == ends.dtype == jnp.int32
     order, ends = np.asarray(order), np.asarray(ends)
     b, nq, nk = order.shape
@@ -239,13 +255,13 @@ def test_far_blocks(name):
         assert counts[0] > 0 and counts[1] > 0 and counts[2] > 0, counts
     # row 1, query block 0 (positions 64..79): every allowed key is at distance >= 41
     if window is None:  # ... so its key blocks are all far
-        ends = np.asarray(attn.live_blocks(q_pos, k_pos, k_valid, window, 16, 16, 16)[1])
+        ends = np.asarray(live_blocks(q_pos, k_pos, k_valid, window, 16, 16, 16)[1])
         assert ends[1, 0, 1] == ends[1, 0, 2] > 0
     allowed = allowed_np(q_pos, k_pos, k_valid, window)[1, :16]
     dist = np.asarray(q_pos)[1, :16, None] - np.asarray(k_pos)[1][None, :]
     assert allowed.any(-1).all() and (dist[allowed] >= 40).all()
     out = kernel(*args, window=window)
-    want = attn_ref.attention(*args, window=window)
+    want = ref_attention(*args, window=window)
     close(out, want, **TOL[dtype])
     has_key = allowed_np(q_pos, k_pos, k_valid, window).any(-1)
     norms = np.abs(np.asarray(out, np.float32)).sum(axis=(2, 3))
@@ -257,12 +273,12 @@ def test_default_blocks_and_fallback():
     power of two): the reference."""
     rng = np.random.default_rng(3)
     args = make_case(rng, b=1, nq=9, nk=30, h=4, hkv=2, d=32, e=16, dtype=jnp.float32, layout="sorted", q_start=21)
-    out = attn.attention(*args, window=None, interpret=INTERPRET)
-    close(out, attn_ref.attention(*args, window=None), rtol=1e-5, atol=1e-5)
+    out = attention(*args, window=None)
+    close(out, ref_attention(*args, window=None), rtol=1e-5, atol=1e-5)
     args = make_case(rng, b=1, nq=9, nk=30, h=4, hkv=2, d=12, e=16, dtype=jnp.float32, layout="sorted", q_start=21)
-    out = attn.attention(*args, window=8, interpret=INTERPRET)
-    close(out, attn_ref.attention(*args, window=8), rtol=1e-6, atol=1e-6)
-    assert float(jnp.abs(out).max()) > 0.1
+    out = attention(*args, window=8)
+    close(out, ref_attention(*args, window=8), rtol=1e-6, atol=1e-6)
+    assert np.abs(np.asarray(out)).max() > 0.1
 
 
 def test_gradient_is_the_reference_vjp():
@@ -274,11 +290,14 @@ def test_gradient_is_the_reference_vjp():
     def loss(fn, q, k, v, rel):
         return jnp.sum(fn(q, k, v, rel, q_pos, k_pos, k_valid, window=12) * w)
 
-    got = jax.grad(lambda *a: loss(lambda *b, **kw: kernel(*b, **kw), *a), argnums=(0, 1, 2, 3))(q, k, v, rel)
-    want = jax.grad(lambda *a: loss(attn_ref.attention, *a), argnums=(0, 1, 2, 3))(q, k, v, rel)
+    def grads(q, k, v, rel):  # both gradients in one jitted program: one compile, not one per op
+        kern = partial(attn.attention, **SMALL, interpret=INTERPRET)
+        return [jax.grad(partial(loss, fn), argnums=(0, 1, 2, 3))(q, k, v, rel) for fn in (kern, attn_ref.attention)]
+
+    got, want = jax.jit(grads)(q, k, v, rel)
     for g, gw in zip(got, want):
         close(g, gw, rtol=1e-5, atol=1e-5)
-        assert float(jnp.abs(gw).max()) > 0
+        assert np.abs(np.asarray(gw)).max() > 0
 
 
 # ------------------------------------------------------------------ reference vs attention_core
@@ -303,7 +322,7 @@ def test_reference_matches_attention_core(geom_name, dtype):
     q, k, v = rand(rng, (b, nq, nh, hd), dtype), rand(rng, (b, nk, nkv, hd), dtype), rand(rng, (b, nk, nkv, hd), dtype)
     r = rand(rng, (b, nq, nh, cfg.d_rel), dtype)
     rel_proj = rand(rng, (cfg.d_rel, geom.rel_extent), jnp.float32, scale=0.5)
-    q_pos = jnp.asarray(np.broadcast_to(np.arange(nq) + 40, (b, nq)), jnp.int32)  # tau > 1 from pos 8 on
+    q_pos = arr(np.broadcast_to(np.arange(nq) + 40, (b, nq)), np.int32)  # tau > 1 from pos 8 on
     if geom.window is None:
         k_pos = np.broadcast_to(np.arange(nk) + 12, (b, nk))
         k_valid = rng.random((b, nk)) > 0.15
@@ -311,19 +330,27 @@ def test_reference_matches_attention_core(geom_name, dtype):
         k_pos = np.stack([rng.permutation(nk) + 12 for _ in range(b)])
         k_valid = rng.random((b, nk)) > 0.25
         k_pos = np.where(k_valid, k_pos, -1)
-    k_pos, k_valid = jnp.asarray(k_pos, jnp.int32), jnp.asarray(k_valid)
+    k_pos, k_valid = arr(k_pos, np.int32), arr(k_valid)
 
-    want = layers.attention_core(q, k, v, r, rel_proj, q_pos, k_pos, k_valid, geom, cfg)
-    qs, rel = layers.attention_tables(q, r, rel_proj, q_pos, geom, cfg)  # the engine's glue to the kernel
+    @jax.jit  # everything compared, as one program: one compile, not one per op
+    def run(q, k, v, r, rel_proj, q_pos, k_pos, k_valid):
+        want = layers.attention_core(q, k, v, r, rel_proj, q_pos, k_pos, k_valid, geom, cfg)
+        qs, rel = layers.attention_tables(q, r, rel_proj, q_pos, geom, cfg)  # the engine's glue to the kernel
+        got = attn_ref.attention(qs, k, v, rel, q_pos, k_pos, k_valid, window=geom.window)
+        out = None
+        if dtype == jnp.float32:  # and the kernel against attention_core directly
+            out = attn.attention(qs, k, v, rel, q_pos, k_pos, k_valid, window=geom.window, **SMALL,
+                                 interpret=INTERPRET)
+        return want, qs, got, out, layers.log_scaling_tau(q_pos, cfg)
+
+    want, qs, got, out, tau = run(q, k, v, r, rel_proj, q_pos, k_pos, k_valid)
     if geom.log_scaling:
-        assert float(layers.log_scaling_tau(q_pos, cfg).max()) > 1.2
+        assert float(np.asarray(tau).max()) > 1.2
         assert not np.array_equal(np.asarray(qs, np.float32), np.asarray(q, np.float32))
-    got = attn_ref.attention(qs, k, v, rel, q_pos, k_pos, k_valid, window=geom.window)
     assert got.dtype == want.dtype == dtype
     close(got, want, **TOL[dtype])
-    assert float(jnp.abs(want.astype(jnp.float32)).max()) > 0.1
-    if dtype == jnp.float32:  # and the kernel against attention_core directly
-        out = kernel(qs, k, v, rel, q_pos, k_pos, k_valid, window=geom.window)
+    assert np.abs(np.asarray(want, np.float32)).max() > 0.1
+    if out is not None:
         close(out, want, rtol=1e-5, atol=1e-5)
 
 

@@ -27,8 +27,24 @@ UNIT_TOKENS = 16  # token rows per arena unit (pages: the page size)
 GARBAGE = 3.0  # scale of arena contents no valid key may read (finite: masked p * v must be 0)
 
 
+def arr(x, dtype=None):
+    """x as a device array, cast on the host (round to nearest even, as XLA's convert):
+    jnp.asarray / astype on host data compile a tiny XLA program (stage, convert) per shape."""
+    return jax.device_put(np.asarray(x, dtype))
+
+
 def rand(rng, shape, dtype=jnp.float32, scale=1.0):
-    return jnp.asarray(scale * rng.standard_normal(shape), jnp.float32).astype(dtype)
+    return arr(np.asarray(scale * rng.standard_normal(shape), np.float32), dtype)
+
+
+# The kernels (with their glue) and the references under jax.jit: one XLA compile per function
+# and shape, not one per jnp op as when called eagerly.
+KERNEL = {"ring": jax.jit(partial(decode.ring_attention, interpret=INTERPRET),
+                          static_argnames=("ring", "window", "num_splits", "bk")),
+          "pages": jax.jit(partial(decode.paged_attention, interpret=INTERPRET),
+                           static_argnames=("page_size", "window", "num_splits"))}
+REF = {"ring": jax.jit(decode_ref.ring_attention, static_argnames=("ring", "window")),
+       "pages": jax.jit(decode_ref.paged_attention, static_argnames=("page_size", "window"))}
 
 
 def close(a, b, rtol, atol):
@@ -68,7 +84,7 @@ class Case:
                 for p in live:
                     tok[first[i] * UNIT_TOKENS + p % ring] = hist[i, p].reshape(-1)
                 ctx.append(list(live))
-            self.unit_row = jnp.asarray(first, jnp.int32)
+            self.unit_row = arr(first, np.int32)
         else:
             units = 2 + b * pages
             arena = GARBAGE * rng.standard_normal((units, unit)).astype(np.float32)
@@ -82,13 +98,13 @@ class Case:
                 for p in range(seq[i]):
                     tok[table[i, p // UNIT_TOKENS] * UNIT_TOKENS + p % UNIT_TOKENS] = hist[i, p].reshape(-1)
                 ctx.append(list(range(seq[i])))
-            self.unit_row = jnp.asarray(table, jnp.int32)
+            self.unit_row = arr(table, np.int32)
         self.arena_np = arena
-        self.arena = jnp.asarray(arena).astype(dtype)
-        self.seq_start = jnp.asarray(seq, jnp.int32)
-        self.has_state = jnp.asarray(has_state)
-        self.q_pos = jnp.asarray(seq[:, None] + np.arange(nq)[None, :], jnp.int32)
-        self.q_valid = jnp.asarray(q_valid, bool)
+        self.arena = arr(arena, dtype)
+        self.seq_start = arr(seq, np.int32)
+        self.has_state = arr(has_state)
+        self.q_pos = arr(seq[:, None] + np.arange(nq)[None, :], np.int32)
+        self.q_valid = arr(q_valid, bool)
         self.q = rand(rng, (b, nq, h, hd), dtype)
         self.k_new = rand(rng, (b, nq, nkv, hd), dtype)
         self.v_new = rand(rng, (b, nq, nkv, hd), dtype)
@@ -96,7 +112,7 @@ class Case:
         self.rel_proj = rand(rng, (DR, e), dtype, scale=0.5)
         # log scaling (tau > 1, as for positions past n_floor) or none (tau = 1)
         tau = 1.0 + 0.4 * rng.random((b, nq)) if log_scaling else np.ones((b, nq))
-        self.tau = jnp.asarray(tau, jnp.float32)
+        self.tau = arr(tau, np.float32)
         # the context as an explicit key list (padded with invalid keys)
         n = max(1, max(len(c) for c in ctx))
         pos = np.zeros((b, n), np.int32)
@@ -104,8 +120,7 @@ class Case:
         kv = np.zeros((b, n, 2, nkv, hd), np.float32)
         for i, c in enumerate(ctx):
             pos[i, :len(c)], valid[i, :len(c)], kv[i, :len(c)] = c, True, hist[i, c]
-        self.ctx = (jnp.asarray(kv[:, :, 0]).astype(dtype), jnp.asarray(kv[:, :, 1]).astype(dtype), jnp.asarray(pos),
-                    jnp.asarray(valid))
+        self.ctx = arr(kv[:, :, 0], dtype), arr(kv[:, :, 1], dtype), arr(pos), arr(valid)
 
     def args(self, arena=None):
         head = (self.q, self.r, self.rel_proj, self.tau, self.k_new, self.v_new, self.q_pos, self.q_valid,
@@ -118,14 +133,12 @@ class Case:
         return dict(page_size=UNIT_TOKENS, window=window)
 
     def reference(self, window, **kw):
-        fn = decode_ref.ring_attention if self.kind == "ring" else decode_ref.paged_attention
-        return fn(*self.args(**kw), **self.static(window))
+        return REF[self.kind](*self.args(**kw), **self.static(window))
 
     def kernel(self, window, **kw):
-        fn = decode.ring_attention if self.kind == "ring" else decode.paged_attention
         tune = dict(bk=16) if self.kind == "ring" else {}
         arena = kw.pop("arena", None)
-        return jax.jit(partial(fn, **self.static(window), **tune, **kw, interpret=INTERPRET))(*self.args(arena=arena))
+        return KERNEL[self.kind](*self.args(arena=arena), **self.static(window), **tune, **kw)
 
 
 # rows: a ring that has wrapped (s > R), one without state, one shorter than the ring / a
@@ -154,19 +167,26 @@ def test_reference_matches_attention_core(kind, window, nq):
     rng = np.random.default_rng(99)
     r = rand(rng, (c.b, nq, H, cfg.d_rel))
     rel_proj = rand(rng, (cfg.d_rel, E), scale=0.5)
-    ctx_k, ctx_v, ctx_pos, ctx_valid = c.ctx
-    want = layers.attention_core(c.q, (ctx_k, c.k_new), (ctx_v, c.v_new), r, rel_proj, c.q_pos, (ctx_pos, c.q_pos),
-                                 (ctx_valid, c.q_valid), geom, cfg)
-    tau = layers.log_scaling_tau(c.q_pos, cfg) if geom.log_scaling else jnp.ones(c.q_pos.shape, jnp.float32)
-    args = list(c.args())
-    args[1:4] = r, rel_proj, tau
     fn = decode_ref.ring_attention if kind == "ring" else decode_ref.paged_attention
-    got = fn(*args, **c.static(window))
+
+    @jax.jit  # everything compared, as one program: one compile, not one per op
+    def run(args, r, rel_proj, ctx):
+        q, k_new, v_new, q_pos, q_valid = (args[i] for i in (0, 4, 5, 6, 7))
+        ctx_k, ctx_v, ctx_pos, ctx_valid = ctx
+        want = layers.attention_core(q, (ctx_k, k_new), (ctx_v, v_new), r, rel_proj, q_pos, (ctx_pos, q_pos),
+                                     (ctx_valid, q_valid), geom, cfg)
+        tau = layers.log_scaling_tau(q_pos, cfg) if geom.log_scaling else jnp.ones(q_pos.shape, jnp.float32)
+        args = list(args)
+        args[1:4] = r, rel_proj, tau
+        got = fn(*args, **c.static(window))
+        # the context matters: without it (new keys only) rows with context differ
+        no_ctx = layers.attention_core(q, k_new, v_new, r, rel_proj, q_pos, q_pos, q_valid, geom, cfg)
+        return want, got, no_ctx
+
+    want, got, no_ctx = run(c.args(), r, rel_proj, c.ctx)
     close(got, want, rtol=1e-5, atol=1e-5)
-    # the context matters: without it (new keys only) rows with context differ
-    no_ctx = layers.attention_core(c.q, c.k_new, c.v_new, r, rel_proj, c.q_pos, c.q_pos, c.q_valid, geom, cfg)
     diff = np.abs(np.asarray(no_ctx) - np.asarray(want)).max(axis=(1, 2, 3))
-    has_ctx = np.asarray(ctx_valid).any(-1)
+    has_ctx = np.asarray(c.ctx[3]).any(-1)
     assert has_ctx.sum() == 2 and (diff[has_ctx] > 1e-2).all() and (diff[~has_ctx] < 1e-6).all()
 
 
@@ -180,7 +200,9 @@ def test_reference_tables_are_attention_tables(dtype, log_scaling):
     cfg = InklingConfig.tiny(log_scaling_n_floor=8, log_scaling_alpha=0.3, d_rel=DR)
     geom = AttentionGeometry(False, H, NKV, HD, rel_extent=E, window=None, log_scaling=log_scaling)
     q, r, rel_proj = rand(rng, (2, 3, H, HD), dtype), rand(rng, (2, 3, H, DR), dtype), rand(rng, (DR, E), dtype)
-    q_pos = jnp.asarray([[5, 6, 7], [40, 41, 42]], jnp.int32)
+    q_pos = arr([[5, 6, 7], [40, 41, 42]], np.int32)
+    # eager on purpose (few ops): a jitted bf16 program may keep excess precision between ops,
+    # which could hide the rounding difference this bit-equality checks
     tau = layers.log_scaling_tau(q_pos, cfg) if log_scaling else jnp.ones(q_pos.shape, jnp.float32)
     for got, want in zip(decode_ref.tables(q, r, rel_proj, tau), layers.attention_tables(q, r, rel_proj, q_pos, geom,
                                                                                          cfg)):
@@ -232,34 +254,35 @@ def test_dead_blocks_are_not_read(kind):
                  q_valid=[[True, True, False]] * 4)
         tok = c.arena_np.reshape(-1, 2 * NKV * HD).copy()
         poisoned = 0
+        seq_start, has_state, unit_row = (np.asarray(x) for x in (c.seq_start, c.has_state, c.unit_row))
         for i in range(c.b):
-            s = int(c.seq_start[i])
+            s = int(seq_start[i])
             lo, hi = max(0, s - ring, s - window + 1), s - 1
-            live_blocks = {(p % ring) // bk for p in range(lo, hi + 1)} if c.has_state[i] else set()
+            live_blocks = {(p % ring) // bk for p in range(lo, hi + 1)} if has_state[i] else set()
             for blk in set(range(-(-ring // bk))) - live_blocks:
-                start = int(c.unit_row[i]) * UNIT_TOKENS + blk * bk
+                start = int(unit_row[i]) * UNIT_TOKENS + blk * bk
                 tok[start:start + min(bk, ring - blk * bk)] = np.nan
                 poisoned += 1
-            end = int(c.unit_row[i]) * UNIT_TOKENS + ring  # the field's padding after row R-1: the
+            end = int(unit_row[i]) * UNIT_TOKENS + ring  # the field's padding after row R-1: the
             tok[end:-(-end // UNIT_TOKENS) * UNIT_TOKENS] = np.nan  # tail block must not read past the ring
         assert poisoned >= 8 and ring % UNIT_TOKENS  # (so the field has padding)
     else:
         c = Case(rng, kind="pages", seq_start=[85, 0, 30], pages=6, q_valid=[[True, True, True]] * 3)
         tok = c.arena_np.reshape(-1, 2 * NKV * HD).copy()
-        table = np.asarray(c.unit_row)
+        table, seq_start = np.asarray(c.unit_row), np.asarray(c.seq_start)
         for i in range(c.b):
-            s = int(c.seq_start[i])
+            s = int(seq_start[i])
             for p in range(table.shape[1]):
                 if s == 0 or not max(0, s - window + 1) // UNIT_TOKENS <= p <= (s - 1) // UNIT_TOKENS:
                     tok[table[i, p] * UNIT_TOKENS:(table[i, p] + 1) * UNIT_TOKENS] = np.nan
         assert np.isnan(tok[:UNIT_TOKENS]).all()  # the sink
-    poisoned_arena = jnp.asarray(tok.reshape(c.arena_np.shape))
-    want = c.reference(window, arena=jnp.nan_to_num(poisoned_arena, nan=0.0))
+    poisoned_arena = arr(tok.reshape(c.arena_np.shape))
+    want = c.reference(window, arena=arr(np.nan_to_num(tok.reshape(c.arena_np.shape), nan=0.0)))
     for s in (1, 3):
         out = c.kernel(window, num_splits=s, arena=poisoned_arena)
         assert np.isfinite(np.asarray(out)).all()
         close(out, want, rtol=1e-5, atol=1e-5)
-    assert float(jnp.abs(want).max()) > 0.1
+    assert np.abs(np.asarray(want)).max() > 0.1
 
 
 def test_fallbacks_are_the_reference():
@@ -269,11 +292,12 @@ def test_fallbacks_are_the_reference():
     c = Case(rng, kind="ring", q_valid=Q_VALID[3], hd=12, **RING_ROWS)
     close(c.kernel(20), c.reference(20), rtol=1e-6, atol=1e-6)
     c = Case(rng, kind="pages", q_valid=Q_VALID[1], **PAGE_ROWS)
-    small = c.arena.reshape(-1, UNIT_TOKENS // 2 * 2 * NKV * HD)  # 8-token units: pages of 8
-    rows = jnp.stack([c.unit_row * 2, c.unit_row * 2 + 1], axis=-1).reshape(c.b, -1)  # page p -> 2p, 2p+1
+    small = arr(c.arena_np.reshape(-1, UNIT_TOKENS // 2 * 2 * NKV * HD))  # 8-token units: pages of 8
+    table = np.asarray(c.unit_row)
+    rows = arr(np.stack([table * 2, table * 2 + 1], axis=-1).reshape(c.b, -1))  # page p -> 2p, 2p+1
     args = c.args(arena=small)[:-2] + (rows, c.seq_start)
-    out = decode.paged_attention(*args, page_size=8, interpret=INTERPRET)
-    close(out, decode_ref.paged_attention(*args, page_size=8), rtol=0, atol=0)
+    out = KERNEL["pages"](*args, page_size=8)
+    close(out, REF["pages"](*args, page_size=8), rtol=0, atol=0)
     close(out, c.reference(None), rtol=1e-5, atol=1e-5)  # the same keys in pages of 16
 
 
@@ -286,10 +310,12 @@ def test_combine_kernel_matches_jnp_combine(splits):
     rng = np.random.default_rng(splits)
     b, nq, h = 2, 3, 4
     acc = rand(rng, (b, splits, nq, h, HD))
-    m = rand(rng, (b, splits, nq, h)).at[0, 1].set(-jnp.inf).at[1, :, 0].set(-jnp.inf)
-    l = jnp.asarray(rng.random((b, splits, nq, h)) + 0.1, jnp.float32).at[0, 1].set(0.0).at[1, :, 0].set(0.0)
-    want = decode.combine_splits(acc, m, l)
-    assert float(jnp.abs(want[1, 0]).max()) == 0.0 and float(jnp.abs(want).max()) > 0.1
+    m = np.array(rand(rng, (b, splits, nq, h)))
+    l = (rng.random((b, splits, nq, h)) + 0.1).astype(np.float32)
+    m[0, 1], m[1, :, 0], l[0, 1], l[1, :, 0] = -np.inf, -np.inf, 0.0, 0.0
+    m, l = arr(m), arr(l)
+    want = np.asarray(jax.jit(decode.combine_splits)(acc, m, l))  # one compile, not one per op
+    assert np.abs(want[1, 0]).max() == 0.0 and np.abs(want).max() > 0.1
     for dtype, tol in ((jnp.float32, 1e-6), (jnp.bfloat16, 0.0)):
         got = jax.jit(partial(decode.combine_splits_kernel, out_dtype=dtype, interpret=INTERPRET))(acc, m, l)
         assert got.shape == want.shape and got.dtype == dtype
@@ -353,8 +379,12 @@ def test_gradient_is_the_references(kind):
                      interpret=INTERPRET)
     ref = partial(decode_ref.ring_attention if kind == "ring" else decode_ref.paged_attention, **c.static(None))
     diff = (0, 1, 2, 3, 4)
-    got = jax.grad(partial(loss, kernel), argnums=diff)(*args[:4], args[8])
-    want = jax.grad(partial(loss, ref), argnums=diff)(*args[:4], args[8])
+
+    @jax.jit  # both gradients as one program: one compile, not one per op
+    def grads(*x):
+        return [jax.grad(partial(loss, fn), argnums=diff)(*x) for fn in (kernel, ref)]
+
+    got, want = grads(*args[:4], args[8])
     for g, w in zip(got, want):
         close(g, w, rtol=1e-5, atol=1e-5)
     assert min(np.abs(np.asarray(g)).max() for g in got) > 1e-3  # the context rows of the arena too
