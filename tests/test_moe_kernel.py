@@ -1,9 +1,15 @@
 """The MoE kernels (`pallas_kernels.moe`) against their jnp references (`moe.ref`: what the CPU
 serves), and the experts op of the Pallas `KernelOps` choosing among them: interpret mode on
 CPU, the compiled Triton kernel on a GPU. Results match within float tolerance (the fp32
-summation order differs from XLA's); gradients are the reference's VJP."""
+summation order differs from XLA's); gradients are the reference's VJP.
+
+XLA:CPU compiles every jnp op called outside jit as its own program, so each test computes what
+it compares (kernel, references, gradients) in one `jax.jit` (one compile per case, not one per
+op), and builds its inputs with numpy."""
 
 from __future__ import annotations
+
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -24,13 +30,27 @@ SMALL = dict(tf=32, bh=32)  # small tiles: several column tiles and splits on te
 GROUPED_SMALL = dict(bm=16, bn=16, bk=16)  # grouped GEMMs: several blocks, column tiles and k steps
 
 
+def put(a, dtype=None):
+    """A host array on the device, cast by numpy (bf16: ml_dtypes, to nearest even as XLA's
+    convert): jnp.asarray compiles a program per shape and dtype."""
+    return jax.device_put(np.asarray(a, dtype))
+
+
 def rand(rng, shape, dtype=jnp.float32, scale=1.0):
-    return jnp.asarray(scale * rng.standard_normal(shape), jnp.float32).astype(dtype)
+    return put(np.asarray(scale * rng.standard_normal(shape), np.float32), dtype)
 
 
 def ref_matvec(x, idx, w):
-    return np.einsum("mh,mhf->mf", np.asarray(x, np.float32), np.asarray(jnp.asarray(w)[idx].astype(x.dtype),
-                                                                           np.float32))
+    """y[i] = x[i] @ w[idx[i]] (w cast to x's dtype) in numpy: fp32 products and sums."""
+    wi = np.asarray(w)[np.asarray(idx)].astype(x.dtype)
+    return np.einsum("mh,mhf->mf", np.asarray(x, np.float32), np.asarray(wi, np.float32))
+
+
+def with_id(idx, where, value):
+    """idx with idx[where] = value, set in numpy (an eager .at[].set() is a scatter program)."""
+    idx = np.array(idx)
+    idx[where] = value
+    return put(idx)
 
 
 def close(a, b, rtol, atol):
@@ -53,12 +73,13 @@ def test_grouped_matvec(case):
     rng = np.random.default_rng(len(ids) * 1000 + h + f + (splits or 0))
     m = len(ids)
     x, w = rand(rng, (m, h), xd), rand(rng, (E, h, f), wd)
-    idx = jnp.asarray(ids, jnp.int32)
-    y = moe.grouped_matvec(x, idx, w, **SMALL, splits=splits, interpret=INTERPRET)
+    idx = put(ids, np.int32)
+    y, want = jax.jit(lambda x, idx, w: (moe.grouped_matvec(x, idx, w, **SMALL, splits=splits, interpret=INTERPRET),
+                                         moe_ref.grouped_matvec(x, idx, w)))(x, idx, w)
     assert y.shape == (m, f) and y.dtype == jnp.float32
     # bf16 x bf16 products are exact in fp32: only the fp32 summation order differs
     close(y, ref_matvec(x, idx, w), rtol=1e-5, atol=1e-4)
-    close(y, moe_ref.grouped_matvec(x, idx, w), rtol=1e-5, atol=1e-4)
+    close(y, want, rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
@@ -72,14 +93,16 @@ def test_grouped_matvec_x_repeat_and_clamp(dtype, x_repeat):
     mx, h, f = 2, 128, 64
     x, w = rand(rng, (mx, h), dtype), rand(rng, (E, h, f), dtype)
     ids = [-3, E, 2, E + 5, 0, E - 1][:mx * x_repeat] if x_repeat > 1 else [E + 5, -1]
-    idx = jnp.asarray(ids, jnp.int32)
-    y = moe.grouped_matvec(x, idx, w, x_repeat=x_repeat, **SMALL, interpret=INTERPRET)
+    idx = put(ids, np.int32)
+    x_rep, clipped = put(np.repeat(np.asarray(x), x_repeat, axis=0)), put(np.clip(ids, 0, E - 1), np.int32)
+    mv = lambda x, i, w, **kw: moe.grouped_matvec(x, i, w, **kw, **SMALL, interpret=INTERPRET)
+    y, base, want = jax.jit(lambda x, idx, w, x_rep, clipped: (
+        mv(x, idx, w, x_repeat=x_repeat), mv(x_rep, clipped, w), moe_ref.grouped_matvec(x, idx, w, x_repeat)))(
+        x, idx, w, x_rep, clipped)
     assert y.shape == (mx * x_repeat, f) and y.dtype == jnp.float32
-    x_rep, clipped = jnp.repeat(x, x_repeat, axis=0), jnp.clip(idx, 0, E - 1)
-    base = moe.grouped_matvec(x_rep, clipped, w, **SMALL, interpret=INTERPRET)
     np.testing.assert_array_equal(np.asarray(y), np.asarray(base))
     close(y, ref_matvec(x_rep, clipped, w), rtol=1e-5, atol=1e-4)
-    close(y, moe_ref.grouped_matvec(x, idx, w, x_repeat), rtol=1e-5, atol=1e-4)
+    close(y, want, rtol=1e-5, atol=1e-4)
     # the jaxpr outside the kernel: no clamp of the ids, no repeat (broadcast) of x
     jaxpr = jax.make_jaxpr(lambda x, i, w: moe.grouped_matvec(x, i, w, x_repeat=x_repeat, **SMALL,
                                                                interpret=INTERPRET))(x, idx, w)
@@ -92,14 +115,15 @@ def test_grouped_matvec_defaults_and_loop():
     (h / bh / S = 32 blocks per program)."""
     rng = np.random.default_rng(7)
     x, w = rand(rng, (2, 256), jnp.bfloat16), rand(rng, (E, 256, 256), jnp.bfloat16)
-    idx = jnp.asarray([E - 1, 0], jnp.int32)
+    idx = put([E - 1, 0], np.int32)
     assert moe.grid_for(2, 256, 256) == (2, 2, 4)
-    close(moe.grouped_matvec(x, idx, w, interpret=INTERPRET), ref_matvec(x, idx, w), rtol=1e-5, atol=1e-4)
+    y = jax.jit(lambda *a: moe.grouped_matvec(*a, interpret=INTERPRET))(x, idx, w)
+    close(y, ref_matvec(x, idx, w), rtol=1e-5, atol=1e-4)
 
     x, w = rand(rng, (2, 512)), rand(rng, (E, 512, 64))
-    idx = jnp.asarray([1, 6], jnp.int32)
+    idx = put([1, 6], np.int32)
     assert moe.grid_for(2, 512, 64, tf=64, bh=16, splits=1) == (2, 1, 1)
-    y = moe.grouped_matvec(x, idx, w, tf=64, bh=16, splits=1, interpret=INTERPRET)
+    y = jax.jit(lambda *a: moe.grouped_matvec(*a, tf=64, bh=16, splits=1, interpret=INTERPRET))(x, idx, w)
     close(y, ref_matvec(x, idx, w), rtol=1e-5, atol=1e-4)
 
 
@@ -109,7 +133,7 @@ def test_partials_all_written():
     rng = np.random.default_rng(11)
     m, h, f = 3, 256, 256
     x, w = rand(rng, (m, h)), rand(rng, (E, h, f))
-    idx = jnp.asarray([E - 1, 4, 0], jnp.int32)
+    idx = put([E - 1, 4, 0], np.int32)
     tf, bh, s = 32, 32, 4
     part = np.asarray(moe._partials(x, idx, w, tf, bh, s, 4, INTERPRET))
     assert part.shape == (m, s, f) and np.isfinite(part).all()
@@ -127,8 +151,9 @@ def test_plan_and_fallback():
         moe.grid_for(4, 256, 256, bh=32, splits=3)
     rng = np.random.default_rng(3)
     x, w = rand(rng, (2, 64)), rand(rng, (E, 64, 24))
-    idx = jnp.asarray([0, E - 1], jnp.int32)
-    close(moe.grouped_matvec(x, idx, w, interpret=INTERPRET), ref_matvec(x, idx, w), rtol=1e-5, atol=1e-5)
+    idx = put([0, E - 1], np.int32)
+    y = jax.jit(lambda *a: moe.grouped_matvec(*a, interpret=INTERPRET))(x, idx, w)
+    close(y, ref_matvec(x, idx, w), rtol=1e-5, atol=1e-5)
 
 
 # ------------------------------------------------------------------------ moe_experts
@@ -136,12 +161,13 @@ def test_plan_and_fallback():
 
 def moe_inputs(rng, n, k, dtype, h=128, f=64):
     x = rand(rng, (n, h), dtype)
-    idx = jnp.asarray(rng.choice(E, size=(n, k), replace=False) if n * k <= E else rng.integers(0, E, (n, k)),
-                      jnp.int32).reshape(n, k)
-    idx = idx.at[0, 0].set(E - 1)
+    idx = np.asarray(rng.choice(E, size=(n, k), replace=False) if n * k <= E else rng.integers(0, E, (n, k)),
+                     np.int32).reshape(n, k)
+    idx[0, 0] = E - 1
     if n * k > 1:
-        idx = idx.at[-1, -1].set(0)
-    weight = jnp.asarray(rng.uniform(0.1, 1.0, (n, k)), jnp.float32)
+        idx[-1, -1] = 0
+    idx = put(idx)
+    weight = put(rng.uniform(0.1, 1.0, (n, k)), np.float32)
     w13 = rand(rng, (E, h, 2 * f), dtype, scale=h ** -0.5)
     w2 = rand(rng, (E, f, h), dtype, scale=f ** -0.5)
     return x, idx, weight, w13, w2
@@ -160,25 +186,25 @@ def true_float32_references():
 def test_moe_experts(n, k, dtype):
     rng = np.random.default_rng(100 * n + k + (dtype == jnp.bfloat16))
     args = moe_inputs(rng, n, k, dtype)
-    out = moe.moe_experts(*args, **SMALL, interpret=INTERPRET)
+    # the kernel, the oracle (slices or dense, as the CPU serves it) and each jnp impl
+    out, ref, *impls = jax.jit(lambda *a: (moe.moe_experts(*a, **SMALL, interpret=INTERPRET), moe_ref.moe_experts(*a),
+                                           *(moe_ref.MOE_IMPLS[i](*a) for i in ("slices", "dense", "gather"))))(*args)
     assert out.shape == args[0].shape and out.dtype == dtype
-    ref = moe_ref.moe_experts(*args)  # the oracle: slices or dense, as the CPU serves it
     scale = float(np.abs(np.asarray(ref, np.float32)).max())
     if dtype == jnp.float32:
         tol = dict(rtol=1e-5, atol=1e-5 * scale)
     else:  # act / y / out are rounded to bf16: a rounding may land an ulp (2^-8) apart
         tol = dict(rtol=1e-2, atol=4e-3 * scale)
     close(out, ref, **tol)
-    for impl in ("slices", "dense", "gather"):
-        close(out, moe_ref.MOE_IMPLS[impl](*args), **tol)
+    for impl in impls:
+        close(out, impl, **tol)
 
 
 def test_moe_experts_defaults_jit():
     """Default tiling, under jit with traced routing."""
     rng = np.random.default_rng(5)
     args = moe_inputs(rng, 2, 2, jnp.bfloat16, h=256, f=128)
-    fn = jax.jit(lambda *a: moe.moe_experts(*a, interpret=INTERPRET))
-    out, ref = fn(*args), moe_ref.moe_experts(*args)
+    out, ref = jax.jit(lambda *a: (moe.moe_experts(*a, interpret=INTERPRET), moe_ref.moe_experts(*a)))(*args)
     scale = float(np.abs(np.asarray(ref, np.float32)).max())
     close(out, ref, rtol=1e-2, atol=4e-3 * scale)
 
@@ -198,8 +224,8 @@ def test_moe_experts_grad(which):
     def loss(fn):
         return lambda x, weight, w13, w2: jnp.sum(fn(x, idx, weight, w13, w2) * r)
 
-    g = jax.grad(loss(kern), argnums=(0, 1, 2, 3))(x, weight, w13, w2)
-    g_ref = jax.grad(loss(moe_ref.moe_experts), argnums=(0, 1, 2, 3))(x, weight, w13, w2)
+    g, g_ref = jax.jit(lambda *a: (jax.grad(loss(kern), argnums=(0, 1, 2, 3))(*a),
+                                   jax.grad(loss(moe_ref.moe_experts), argnums=(0, 1, 2, 3))(*a)))(x, weight, w13, w2)
     for a, b, name in zip(g, g_ref, ["x", "weight", "w13", "w2"]):
         assert np.abs(np.asarray(b)).max() > 0, name
         close(a, b, rtol=1e-6, atol=1e-6)
@@ -231,19 +257,23 @@ def test_grouped_matvec_extra_rows():
     n, k, s_, h, f = 2, 3, 2, 128, 64
     g = k + s_
     x, w, wx = rand(rng, (n, h)), rand(rng, (E, h, f)), rand(rng, (s_, h, f))
-    idx = jnp.asarray([E + 2, -1, 4, 0, E - 1, 7], jnp.int32)
-    y = extra_rows(x, idx, w, wx, g, g)
-    want = moe_ref.grouped_matvec_extra(x, idx, w, wx, g, g)
+    idx = put([E + 2, -1, 4, 0, E - 1, 7], np.int32)
+    # the kernel's rows and the reference's, one program per x_repeat
+    both = jax.jit(lambda x, idx, w, wx, x_repeat: (extra_rows(x, idx, w, wx, x_repeat, g),
+                                                    moe_ref.grouped_matvec_extra(x, idx, w, wx, x_repeat, g)),
+                   static_argnums=4)
+    y, want = both(x, idx, w, wx, g)
     assert y.shape == (n * g, f)
     close(y, want, rtol=1e-5, atol=1e-4)
     ids = np.clip(np.asarray(idx).reshape(n, k), 0, E - 1)
-    rows = [np.asarray(x[t]) @ np.asarray(w[e]) for t in range(n) for e in ids[t]]
+    xn, wn, want = np.asarray(x), np.asarray(w), np.asarray(want)
+    rows = [xn[t] @ wn[e] for t in range(n) for e in ids[t]]
     close(want.reshape(n, g, f)[:, :k].reshape(-1, f), np.stack(rows), rtol=1e-5, atol=1e-4)
-    close(want.reshape(n, g, f)[:, k:], np.einsum("nh,shf->nsf", np.asarray(x), np.asarray(wx)), rtol=1e-5, atol=1e-4)
+    close(want.reshape(n, g, f)[:, k:], np.einsum("nh,shf->nsf", xn, np.asarray(wx)), rtol=1e-5, atol=1e-4)
     # x_repeat = 1 (the down product): one row of x per row
     xa = rand(rng, (n * g, h))
-    y = extra_rows(xa, idx, w, wx, 1, g)
-    close(y, moe_ref.grouped_matvec_extra(xa, idx, w, wx, 1, g), rtol=1e-5, atol=1e-4)
+    y, want = both(xa, idx, w, wx, 1)
+    close(y, want, rtol=1e-5, atol=1e-4)
 
 
 # (tokens, top-k, shared experts, gated, dtype): each shape once, both dtypes gated and not
@@ -259,23 +289,28 @@ def test_moe_experts_with_shared(n, k, s_, gated, dtype):
     routed kernel's tolerance."""
     rng = np.random.default_rng(1000 * n + 100 * k + 10 * s_ + gated + (dtype == jnp.bfloat16))
     x, idx, weight, w13, w2 = moe_inputs(rng, n, k, dtype)
-    idx = idx.at[0, -1].set(E + 3) if k > 2 else idx  # out of range: clamped to E - 1 (as moe_experts)
+    if k > 2:  # out of range: clamped to E - 1 (as moe_experts)
+        idx = with_id(idx, (0, -1), E + 3)
     sw13 = rand(rng, (s_,) + w13.shape[1:], dtype, scale=w13.shape[1] ** -0.5)
     sw2 = rand(rng, (s_,) + w2.shape[1:], dtype, scale=w2.shape[1] ** -0.5)
-    gamma = jnp.asarray(rng.uniform(0.1, 1.0, (n, s_)), jnp.float32)
-    args = (x, idx, weight, w13, w2, sw13, sw2, gamma)
-    out = moe.moe_experts_with_shared(*args, gated=gated, **SMALL, interpret=INTERPRET)
+    gamma = put(rng.uniform(0.1, 1.0, (n, s_)), np.float32)
+
+    def run(x, idx, weight, w13, w2, sw13, sw2, gamma):  # the joined kernel, the oracle, the separate kernels
+        args = (x, idx, weight, w13, w2, sw13, sw2, gamma)
+        out = moe.moe_experts_with_shared(*args, gated=gated, **SMALL, interpret=INTERPRET)
+        want = moe_ref.experts(*args, gated=gated)
+        # the separate kernels: the routed kernel, the shared experts through the grouped mat-vec, the add
+        routed = moe.moe_experts(x, idx, weight, w13, w2, **SMALL, interpret=INTERPRET)
+        sid = jnp.tile(jnp.arange(s_, dtype=jnp.int32), n)
+        mv = lambda *a, **kw: moe.grouped_matvec(*a, **kw, **SMALL, interpret=INTERPRET)
+        gu = mv(x, sid, sw13, x_repeat=s_)
+        act = jax.nn.silu(gu[:, :gu.shape[1] // 2]) * gu[:, gu.shape[1] // 2:]
+        act = act * gamma.reshape(-1, 1) if gated else act
+        y = mv(act.astype(dtype), sid, sw2).astype(dtype).astype(jnp.float32).reshape(n, s_, -1).sum(axis=1)
+        return out, want, (routed.astype(jnp.float32) + y).astype(dtype)
+
+    out, want, today = jax.jit(run)(x, idx, weight, w13, w2, sw13, sw2, gamma)
     assert out.shape == x.shape and out.dtype == dtype
-    want = moe_ref.experts(*args, gated=gated)
-    # the separate kernels: the routed kernel, the shared experts through the grouped mat-vec, the add
-    routed = moe.moe_experts(x, idx, weight, w13, w2, **SMALL, interpret=INTERPRET)
-    sid = jnp.tile(jnp.arange(s_, dtype=jnp.int32), n)
-    mv = lambda *a, **kw: moe.grouped_matvec(*a, **kw, **SMALL, interpret=INTERPRET)
-    gu = mv(x, sid, sw13, x_repeat=s_)
-    act = jax.nn.silu(gu[:, :gu.shape[1] // 2]) * gu[:, gu.shape[1] // 2:]
-    act = act * gamma.reshape(-1, 1) if gated else act
-    y = mv(act.astype(dtype), sid, sw2).astype(dtype).astype(jnp.float32).reshape(n, s_, -1).sum(axis=1)
-    today = (routed.astype(jnp.float32) + y).astype(dtype)
     scale = float(np.abs(np.asarray(want, np.float32)).max())
     if dtype == jnp.bfloat16:
         assert ulps(out, today, dtype) <= 1
@@ -290,18 +325,20 @@ def test_moe_experts_with_shared_grad_and_fallback():
     rng = np.random.default_rng(70)
     x, idx, weight, w13, w2 = moe_inputs(rng, 2, 2, jnp.float32)
     sw13, sw2 = rand(rng, (2,) + w13.shape[1:], scale=0.1), rand(rng, (2,) + w2.shape[1:], scale=0.1)
-    gamma = jnp.asarray(rng.uniform(0.1, 1.0, (2, 2)), jnp.float32)
+    gamma = put(rng.uniform(0.1, 1.0, (2, 2)), np.float32)
     r = rand(rng, x.shape)
     kern = lambda *a: moe.moe_experts_with_shared(*a, gated=True, **SMALL, interpret=INTERPRET)
     refn = lambda *a: moe_ref.experts(*a, gated=True)
     loss = lambda fn: lambda x, weight, sw13, gamma: jnp.sum(fn(x, idx, weight, w13, w2, sw13, sw2, gamma) * r)
-    g = jax.grad(loss(kern), argnums=(0, 1, 2, 3))(x, weight, sw13, gamma)
-    g_ref = jax.grad(loss(refn), argnums=(0, 1, 2, 3))(x, weight, sw13, gamma)
+    g, g_ref = jax.jit(lambda *a: (jax.grad(loss(kern), argnums=(0, 1, 2, 3))(*a),
+                                   jax.grad(loss(refn), argnums=(0, 1, 2, 3))(*a)))(x, weight, sw13, gamma)
     for a, b in zip(g, g_ref):
         assert np.abs(np.asarray(b)).max() > 0
         close(a, b, rtol=1e-6, atol=1e-6)
+    x, idx, weight, w13, w2, sw13, sw2, gamma = map(np.asarray, (x, idx, weight, w13, w2, sw13, sw2, gamma))
     narrow = (x, idx, weight, w13[:, :, :24], w2[:, :12], sw13[:, :, :24], sw2[:, :12], gamma)
-    np.testing.assert_array_equal(np.asarray(kern(*narrow)), np.asarray(refn(*narrow)))
+    # each its own program, as eager calls were: bit for bit
+    np.testing.assert_array_equal(np.asarray(jax.jit(kern)(*narrow)), np.asarray(jax.jit(refn)(*narrow)))
 
 
 def spied_ops(monkeypatch, calls: list, **kernels):
@@ -319,7 +356,7 @@ def spied_ops(monkeypatch, calls: list, **kernels):
 
 def moe_layer(cfg, seed, dtype):
     p = ik.init_params(cfg, jax.random.key(seed))["layers"][cfg.dense_layer_ids[-1] + 1]["mlp"]
-    return jax.tree.map(lambda a: a.astype(dtype) if a.dtype == jnp.bfloat16 else a, p)
+    return jax.tree.map(lambda a: put(a, dtype) if a.dtype == jnp.bfloat16 else a, p)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
@@ -332,19 +369,25 @@ def test_experts_op_joins_the_few_token_kernels(monkeypatch, dtype):
     x = rand(np.random.default_rng(80), (2, cfg.hidden_size), dtype)
     calls = []
     ops = spied_ops(monkeypatch, calls, moe_experts_with_shared=moe, moe_experts=moe)
-    idx, w, gamma = model_moe.route(p, cfg, x, ops)
-    args = (x, idx, w, p["w13"], p["w2"], p["shared_w13"], p["shared_w2"], gamma)
-    got = ops.experts(*args, gated=True, num_experts=16)
+
+    # the route and the experts op in one program (jitted afresh: its trace calls the spies)
+    def experts(p, x, **kw):
+        idx, w, gamma = model_moe.route(p, cfg, x, ops)
+        args = (x, idx, w, p["w13"], p["w2"], p["shared_w13"], p["shared_w2"], gamma)
+        return ops.experts(*args, gated=True, num_experts=16, **kw)
+
+    got = jax.jit(experts)(p, x)
     assert calls == [("moe_experts_with_shared", 2)]
-    want = ops.experts(*args, gated=True, num_experts=16, shared_mask=lambda s: s)
+    want = jax.jit(partial(experts, shared_mask=lambda s: s))(p, x)
     assert calls[1:] == [("moe_experts", 2)]
     if dtype == jnp.bfloat16:
         assert ulps(got, want, dtype) <= 1
     else:
         close(got, want, rtol=1e-5, atol=1e-5 * float(np.abs(np.asarray(want)).max()))
-    np.testing.assert_array_equal(np.asarray(model_moe.moe_mlp(p, cfg, x, ops)), np.asarray(got))
+    mlp = jax.jit(lambda p, x: model_moe.moe_mlp(p, cfg, x, ops))
+    np.testing.assert_array_equal(np.asarray(mlp(p, x)), np.asarray(got))
     calls.clear()
-    model_moe.moe_mlp(p, cfg, jnp.ones((8, cfg.hidden_size), dtype), ops)
+    mlp(p, np.ones((8, cfg.hidden_size), dtype))
     assert calls == []
 
 
@@ -390,9 +433,10 @@ def test_dispatch_layout():
     """Every choice gets its own padded row; a block's rows all belong to its expert; the
     static block count bounds any routing (all choices on one expert, every expert used)."""
     rng = np.random.default_rng(11)
+    dispatch = jax.jit(grouped.dispatch, static_argnums=(1, 2))  # one compile per shape, not per op
     for n, k, e, bm in [(37, 4, 8, 16), (5, 2, 8, 16), (64, 1, 4, 16), (9, 3, 8, 4)]:
         for idx in [rng.integers(0, e, (n, k)), np.zeros((n, k), int), np.arange(n * k).reshape(n, k) % e]:
-            d = grouped.dispatch(jnp.asarray(idx, jnp.int32), e, bm)
+            d = dispatch(put(idx, np.int32), e, bm)
             rows = np.asarray(d.row_of_choice)
             be = np.asarray(d.block_expert)
             cor = np.asarray(d.choice_of_row)
@@ -412,14 +456,14 @@ def test_dispatch_layout():
 def test_moe_experts_grouped(n, k, dtype):
     rng = np.random.default_rng(300 + 10 * n + k + (dtype == jnp.bfloat16))
     args = moe_inputs(rng, n, k, dtype, h=64, f=32)
-    out = grouped.moe_experts_grouped(*args, **GROUPED_SMALL, interpret=INTERPRET)
+    out, ref, ref_served = jax.jit(lambda *a: (grouped.moe_experts_grouped(*a, **GROUPED_SMALL, interpret=INTERPRET),
+                                               moe_ref.moe_experts_dense(*a), moe_ref.moe_experts(*a)))(*args)
     assert out.shape == args[0].shape and out.dtype == dtype
-    ref = moe_ref.moe_experts_dense(*args)
     scale = float(np.abs(np.asarray(ref, np.float32)).max())
     assert scale > 0
     tol = dict(rtol=1e-5, atol=1e-5 * scale) if dtype == jnp.float32 else dict(rtol=1e-2, atol=4e-3 * scale)
     close(out, ref, **tol)
-    close(out, moe_ref.moe_experts(*args), **tol)
+    close(out, ref_served, **tol)
 
 
 def test_moe_experts_grouped_one_expert_and_defaults():
@@ -427,14 +471,18 @@ def test_moe_experts_grouped_one_expert_and_defaults():
     the reference where the test shapes are too narrow; w in fp32 cast to x's dtype."""
     rng = np.random.default_rng(21)
     x, idx, weight, w13, w2 = moe_inputs(rng, 33, 2, jnp.bfloat16, h=64, f=32)
-    idx = jnp.full_like(idx, 3)
-    w13f, w2f = w13.astype(jnp.float32), w2.astype(jnp.float32)
-    fn = jax.jit(lambda *a: grouped.moe_experts_grouped(*a, **GROUPED_SMALL, interpret=INTERPRET))
-    out, ref = fn(x, idx, weight, w13f, w2f), moe_ref.moe_experts_dense(x, idx, weight, w13f, w2f)
+    idx = put(np.full(idx.shape, 3, np.int32))
+    w13f, w2f = put(w13, np.float32), put(w2, np.float32)
+    fn = jax.jit(lambda *a: (grouped.moe_experts_grouped(*a, **GROUPED_SMALL, interpret=INTERPRET),
+                             moe_ref.moe_experts_dense(*a)))
+    out, ref = fn(x, idx, weight, w13f, w2f)
     scale = float(np.abs(np.asarray(ref, np.float32)).max())
     close(out, ref, rtol=1e-2, atol=4e-3 * scale)
-    narrow = grouped.moe_experts_grouped(x, idx, weight, w13[:, :, :24], w2[:, :12], interpret=INTERPRET)
-    close(narrow, moe_ref.moe_experts(x, idx, weight, w13[:, :, :24], w2[:, :12]), rtol=0, atol=0)
+    xn, idxn, weightn, w13n, w2n = map(np.asarray, (x, idx, weight, w13, w2))
+    narrow = (xn, idxn, weightn, w13n[:, :, :24], w2n[:, :12])
+    # each its own program, as eager calls were: bit for bit
+    got = jax.jit(lambda *a: grouped.moe_experts_grouped(*a, interpret=INTERPRET))(*narrow)
+    close(got, jax.jit(moe_ref.moe_experts)(*narrow), rtol=0, atol=0)
     with pytest.raises(ValueError):
         grouped.moe_experts_grouped(x, idx, weight, w13, w2, bm=24)
 
@@ -449,7 +497,7 @@ def test_moe_experts_ragged(dtype):
     rng = np.random.default_rng(40 + (dtype == jnp.bfloat16))
     x, idx, weight, w13, w2 = moe_inputs(rng, 40, 4, dtype, h=64, f=32)
     ragged, dense = jax.jit(moe_ref.moe_experts_ragged), jax.jit(moe_ref.moe_experts_dense)
-    out_of_range = idx.at[1, 2].set(E + 2)
+    out_of_range = with_id(idx, (1, 2), E + 2)
     out, ref = ragged(x, out_of_range, weight, w13, w2), dense(x, out_of_range, weight, w13, w2)
     assert out.shape == x.shape and out.dtype == dtype
     scale = float(np.abs(np.asarray(ref, np.float32)).max())
@@ -468,7 +516,7 @@ def test_moe_experts_ragged(dtype):
 
 def routing(n, k, e, seed=0):
     rng = np.random.default_rng(seed)
-    return (jnp.asarray(rng.integers(0, e, (n, k)), jnp.int32), jnp.asarray(rng.uniform(0.1, 1.0, (n, k)), jnp.float32))
+    return (put(rng.integers(0, e, (n, k)), np.int32), put(rng.uniform(0.1, 1.0, (n, k)), np.float32))
 
 
 def test_experts_op_picks_grouped_for_many_tokens():
@@ -482,14 +530,18 @@ def test_experts_op_picks_grouped_for_many_tokens():
 
     ops = pk.ops.pallas_ops(INTERPRET, many_token_experts=spy)
     e, k, h, f = 4, 2, 16, 8
-    w13, w2 = jnp.zeros((e, h, 2 * f)), jnp.zeros((e, f, h))
+    w13, w2 = np.zeros((e, h, 2 * f), np.float32), np.zeros((e, f, h), np.float32)
     need = pk.ops.GROUPED_MIN_CHOICES_PER_EXPERT * e // k
+
+    def experts(n, **kw):  # one program per call (jitted afresh: its trace calls the spy)
+        return jax.jit(lambda *a: ops.experts(*a, **kw))(np.ones((n, h), np.float32), *routing(n, k, e), w13, w2)
+
     for n in (need - 1, need):
-        ops.experts(jnp.ones((n, h)), *routing(n, k, e), w13, w2)
+        experts(n)
     assert calls == [need]
     calls.clear()
-    ops.experts(jnp.ones((need, h)), *routing(need, k, e), w13, w2, num_experts=2 * e)  # a mesh of 2 ep shards
-    ops.experts(jnp.ones((2 * need, h)), *routing(2 * need, k, e), w13, w2, num_experts=2 * e)
+    experts(need, num_experts=2 * e)  # a mesh of 2 ep shards
+    experts(2 * need, num_experts=2 * e)
     assert calls == [2 * need]
 
 
@@ -509,11 +561,11 @@ def test_experts_op_picks_the_few_token_kernel_up_to_a_third_of_the_experts(monk
     monkeypatch.setattr(moe_ref, "MOE_IMPLS", {"slices": spy("slices", moe_ref.moe_experts_slices),
                                                "dense": spy("dense", moe_ref.moe_experts_dense)})
     ops = spied_ops(monkeypatch, calls, moe_experts=moe)
-    w13, w2 = jnp.zeros((e, h, 2 * f)), jnp.zeros((e, f, h))
+    w13, w2 = np.zeros((e, h, 2 * f), np.float32), np.zeros((e, f, h), np.float32)
     for n in (1, 2, 3, 4, 5):
-        x, idx_w = jnp.ones((n, h)), routing(n, k, e)
-        ops.experts(x, *idx_w, w13, w2)
-        pk.REFERENCE_OPS.experts(x, *idx_w, w13, w2)
+        x, idx_w = np.ones((n, h), np.float32), routing(n, k, e)
+        # one program per n, jitted afresh: its trace calls the spies, the op's first
+        jax.jit(lambda *a: (ops.experts(*a), pk.REFERENCE_OPS.experts(*a)))(x, *idx_w, w13, w2)
     assert calls == [("moe_experts", 1), ("slices", 1), ("moe_experts", 2), ("slices", 2), ("dense", 3),
                      ("dense", 3), ("dense", 4), ("dense", 4), ("dense", 5), ("dense", 5)]
 
@@ -546,11 +598,11 @@ def test_shared_experts_through_the_matvec_kernel(monkeypatch, n, dtype):
     p = moe_layer(cfg, 1, dtype)
     rng = np.random.default_rng(40 + n)
     x = rand(rng, (n, cfg.hidden_size), dtype)
-    gamma = jnp.asarray(rng.uniform(0.1, 1.0, (n, cfg.n_shared_experts)), jnp.float32)
+    gamma = put(rng.uniform(0.1, 1.0, (n, cfg.n_shared_experts)), np.float32)
     matvec = lambda *a, **kw: moe.grouped_matvec(*a, **kw, **SMALL, interpret=INTERPRET)
     shared = (p["shared_w13"], p["shared_w2"])
-    got = moe_ref.shared_experts(x, gamma, *shared, gated=True, matvec=matvec)
-    want = moe_ref.shared_experts(x, gamma, *shared, gated=True)
+    got, want = jax.jit(lambda *a: (moe_ref.shared_experts(*a, gated=True, matvec=matvec),
+                                    moe_ref.shared_experts(*a, gated=True)))(x, gamma, *shared)
     assert got.shape == (n, cfg.hidden_size) and got.dtype == jnp.float32
     scale = float(np.abs(np.asarray(want)).max())
     tol = dict(rtol=1e-5, atol=1e-5 * scale) if dtype == jnp.float32 else dict(rtol=1e-2, atol=1e-2 * scale)
@@ -560,11 +612,13 @@ def test_shared_experts_through_the_matvec_kernel(monkeypatch, n, dtype):
     ops = spied_ops(monkeypatch, calls, grouped_matvec=moe)
     mesh = dict(gated=True, shared_mask=lambda s: s)
     idx_w = routing(n, cfg.num_experts_per_tok, cfg.n_routed_experts)
-    got_op = ops.experts(x, *idx_w, p["w13"], p["w2"], *shared, gamma, **mesh)
+    # the op and the jnp experts in one program (jitted afresh: its trace calls the spies)
+    got_op, want_op = jax.jit(lambda *a: (ops.experts(*a, **mesh), pk.REFERENCE_OPS.experts(*a, **mesh)))(
+        x, *idx_w, p["w13"], p["w2"], *shared, gamma)
     s_ = cfg.n_shared_experts  # w13 (x's n rows read in place for their S experts each) and w2
     assert calls == [("grouped_matvec", n), ("grouped_matvec", n * s_)]
-    close(got_op, pk.REFERENCE_OPS.experts(x, *idx_w, p["w13"], p["w2"], *shared, gamma, **mesh), **tol)
+    close(got_op, want_op, **tol)
     calls.clear()
-    ops.experts(jnp.ones((8, cfg.hidden_size), dtype), *routing(8, 2, 16), p["w13"], p["w2"], *shared,
-                jnp.ones((8, 2)), **mesh)
+    jax.jit(lambda *a: ops.experts(*a, **mesh))(np.ones((8, cfg.hidden_size), dtype), *routing(8, 2, 16), p["w13"],
+                                                p["w2"], *shared, np.ones((8, 2), np.float32))
     assert calls == []  # 8 tokens: the dense routed experts, the einsum shared experts

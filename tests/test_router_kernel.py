@@ -1,6 +1,9 @@
 """The router epilogue kernel (`pallas_kernels.moe.router`) against its jnp reference and against
 `inkling_jax.model.moe.route` itself: interpret mode on CPU, the compiled Triton kernel on a
-GPU. Expert ids match exactly (ties to the lower index); weights within a few fp32 ulp."""
+GPU. Expert ids match exactly (ties to the lower index); weights within a few fp32 ulp.
+
+XLA:CPU compiles every jnp op called outside jit as its own program, so the kernel and its
+oracle run as one `jax.jit` per case (one compile per case, not one per op)."""
 
 from __future__ import annotations
 
@@ -19,7 +22,15 @@ TOL = dict(rtol=1e-6, atol=1e-7)  # a few ulp: exp / log1p / the logsumexp sum o
 
 
 def rand(rng, shape, scale=1.0):
-    return jnp.asarray(scale * rng.standard_normal(shape), jnp.float32)
+    # cast and placed from the host: jnp.asarray compiles a program per shape and dtype
+    return jax.device_put(np.asarray(scale * rng.standard_normal(shape), np.float32))
+
+
+def kernel_and_ref(logits, bias, scale, *, block_rows=None, **kw):
+    """router_epilogue and router_epilogue_ref on the same inputs, in one jitted program."""
+    return jax.jit(lambda lg, b, sc: (router.router_epilogue(lg, b, sc, **kw, interpret=INTERPRET,
+                                                             block_rows=block_rows),
+                                      router.router_epilogue_ref(lg, b, sc, **kw)))(logits, bias, scale)
 
 
 def check(got, want):
@@ -51,10 +62,8 @@ def test_matches_reference(n, e, s, k, block_rows, with_bias, with_scale):
     rng = np.random.default_rng(n * 1000 + e * 10 + s + k)
     logits = rand(rng, (n, e + s), 3.0)
     bias = rand(rng, (e,), 0.3) if with_bias else None
-    scale = jnp.asarray([1.7], jnp.float32) if with_scale else None
-    kw = dict(k=k, route_scale=2.5, num_experts=e)
-    got = router.router_epilogue(logits, bias, scale, **kw, interpret=INTERPRET, block_rows=block_rows)
-    want = router.router_epilogue_ref(logits, bias, scale, **kw)
+    scale = jax.device_put(np.asarray([1.7], np.float32)) if with_scale else None
+    got, want = kernel_and_ref(logits, bias, scale, k=k, route_scale=2.5, num_experts=e, block_rows=block_rows)
     assert got[0].shape == (n, k) and got[2].shape == (n, s)
     check(got, want)
     # the weights of a row sum to route_scale * scale (routed and sink together)
@@ -64,10 +73,8 @@ def test_matches_reference(n, e, s, k, block_rows, with_bias, with_scale):
 
 def test_under_jit():
     rng = np.random.default_rng(3)
-    logits, bias, scale = rand(rng, (7, 34), 2.0), rand(rng, (32,), 0.2), jnp.asarray([0.9], jnp.float32)
-    fn = jax.jit(lambda lg, b, sc: router.router_epilogue(lg, b, sc, k=4, route_scale=8.0, interpret=INTERPRET,
-                                                          block_rows=4))
-    check(fn(logits, bias, scale), router.router_epilogue_ref(logits, bias, scale, k=4, route_scale=8.0))
+    logits, bias, scale = rand(rng, (7, 34), 2.0), rand(rng, (32,), 0.2), jax.device_put(np.asarray([0.9], np.float32))
+    check(*kernel_and_ref(logits, bias, scale, k=4, route_scale=8.0, block_rows=4))
 
 
 def test_ties_go_to_the_lower_index():
@@ -80,26 +87,22 @@ def test_ties_go_to_the_lower_index():
     logits[2, :e] = [20.0, 30.0, 3.0, 40.0, 25.0, 0.0, 50.0, 1.0]  # sigmoid == 1.0 for >= ~17: tied
     logits[3, :e] = [-3.0, 5.0, -3.0, -3.0, 5.0, 4.0, 4.0, -3.0]
     logits[:, e:] = [[0.1, -0.2]] * 4
-    logits = jnp.asarray(logits)
+    logits = jax.device_put(logits)
     expected = [[1, 3, 5, 7], [0, 1, 2, 3], [0, 1, 3, 4], [1, 4, 5, 6]]
     kw = dict(k=k, route_scale=8.0, num_experts=e)
     assert float(jax.nn.sigmoid(jnp.float32(20.0))) == 1.0
-    got = router.router_epilogue(logits, None, None, **kw, interpret=INTERPRET, block_rows=2)
-    want = router.router_epilogue_ref(logits, None, None, **kw)
+    got, want = kernel_and_ref(logits, None, None, **kw, block_rows=2)
     np.testing.assert_array_equal(np.asarray(want[0]), expected)
     check(got, want)
 
     # ties made by the bias: equal scores, bias equal on 2 / 6 and 1 / 5; -inf bias last
-    bias = jnp.asarray([0.0, 0.25, 0.5, 0.0, -jnp.inf, 0.25, 0.5, -jnp.inf], jnp.float32)
-    flat = jnp.zeros((2, e + s), jnp.float32)
-    got = router.router_epilogue(flat, bias, None, **kw, interpret=INTERPRET)
-    want = router.router_epilogue_ref(flat, bias, None, **kw)
+    bias = jax.device_put(np.asarray([0.0, 0.25, 0.5, 0.0, -np.inf, 0.25, 0.5, -np.inf], np.float32))
+    flat = jax.device_put(np.zeros((2, e + s), np.float32))
+    got, want = kernel_and_ref(flat, bias, None, **kw)
     np.testing.assert_array_equal(np.asarray(want[0]), [[2, 6, 1, 5]] * 2)
     check(got, want)
     # k past the finite choices: the -inf ones are taken too, lower index first
-    kw8 = dict(kw, k=8)
-    got = router.router_epilogue(flat, bias, None, **kw8, interpret=INTERPRET)
-    want = router.router_epilogue_ref(flat, bias, None, **kw8)
+    got, want = kernel_and_ref(flat, bias, None, **dict(kw, k=8))
     np.testing.assert_array_equal(np.asarray(want[0]), [[2, 6, 1, 5, 0, 3, 4, 7]] * 2)
     check(got, want)
 
@@ -124,23 +127,28 @@ def test_matches_route(cfg, n, keys):
     p = {"router": rand(rng, (h, e + s), 0.3)}
     if keys:
         p["router_bias"] = rand(rng, (e,), 0.1)
-        p["router_scale"] = jnp.asarray([1.25], jnp.float32)
-    x = rand(rng, (n, h)).astype(jnp.bfloat16)
-    want = moe.route(p, cfg, x)
-    logits = jnp.matmul(x.astype(jnp.float32), p["router"].astype(jnp.float32))
-    got = router.router_epilogue(logits, p.get("router_bias"), p.get("router_scale"), k=k,
-                                 route_scale=cfg.route_scale, num_experts=e, interpret=INTERPRET)
+        p["router_scale"] = jax.device_put(np.asarray([1.25], np.float32))
+    x = jax.device_put(np.asarray(rand(rng, (n, h))).astype(jnp.bfloat16))  # numpy rounds to nearest even, as XLA
+
+    def route_and_kernel(p, x):  # one program
+        logits = jnp.matmul(x.astype(jnp.float32), p["router"].astype(jnp.float32))
+        return moe.route(p, cfg, x), router.router_epilogue(
+            logits, p.get("router_bias"), p.get("router_scale"), k=k, route_scale=cfg.route_scale, num_experts=e,
+            interpret=INTERPRET)
+
+    want, got = jax.jit(route_and_kernel)(p, x)
     check(got, want)
 
 
 def test_fallbacks_and_defaults():
     kw = dict(k=2, route_scale=8.0, num_experts=8)
-    idx, w, gamma = router.router_epilogue(jnp.zeros((0, 10), jnp.float32), None, None, **kw, interpret=INTERPRET)
+    zeros = lambda *shape: jax.device_put(np.zeros(shape, np.float32))  # noqa: E731 (jnp.zeros: a broadcast program)
+    idx, w, gamma = jax.jit(lambda lg: router.router_epilogue(lg, None, None, **kw, interpret=INTERPRET))(zeros(0, 10))
     assert idx.shape == (0, 2) and idx.dtype == jnp.int32 and w.shape == (0, 2) and gamma.shape == (0, 2)
     with pytest.raises(ValueError):
-        router.router_epilogue(jnp.zeros((3, 10)), None, None, k=2, route_scale=8.0)  # E unknown
+        router.router_epilogue(zeros(3, 10), None, None, k=2, route_scale=8.0)  # E unknown
     with pytest.raises(ValueError):
-        router.router_epilogue(jnp.zeros((3, 10)), None, None, **kw, block_rows=3, interpret=INTERPRET)
+        router.router_epilogue(zeros(3, 10), None, None, **kw, block_rows=3, interpret=INTERPRET)
     # one row per program (bench/kernels/router_micro.py on the H200: 16-row tiles were 5-6x slower at 32-256 rows)
     assert {router.default_block_rows(n, w) for n in (1, 4, 4096) for w in (10, 34, 258)} == {1}
     assert [router.default_num_warps(1, w) for w in (34, 258, 1000, 3000)] == [1, 1, 2, 4]
