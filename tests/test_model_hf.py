@@ -7,6 +7,7 @@ differ only in summation order, measured diffs are ~1e-7 relative)."""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -16,6 +17,10 @@ from conftest import PARITY_CONFIGS, hf_config, hf_text_config, perturb_, random
 
 REL_TOL = 1e-4
 SEQ = 40  # longer than every window (<= 8) and rel_extent (<= 16) of the parity configs
+
+# The forward under jax.jit: one XLA compile per config and shape (~1.5 s), not one per jnp op
+# (~100-200 eager compiles per config, ~3-5 s).
+forward = jax.jit(ik.forward, static_argnums=1)
 
 
 def assert_logits_close(ours, ref):
@@ -49,7 +54,7 @@ def test_hub_naming_parity(hf_mm, torch_threads):
     tokens = random_tokens(cfg, (2, SEQ), seed=1)
     with torch_threads.no_grad():
         ref = model(input_ids=torch_threads.tensor(tokens, dtype=torch_threads.long)).logits.numpy()
-    assert_logits_close(ik.forward(params, loaded_cfg, tokens), ref)
+    assert_logits_close(forward(params, loaded_cfg, tokens), ref)
 
 
 def test_our_save_loads_in_hf(hf_mm, tmp_path, torch_threads):
@@ -58,14 +63,14 @@ def test_our_save_loads_in_hf(hf_mm, tmp_path, torch_threads):
 
     name, cfg, model, path = hf_mm
     _, params = ik.load_pretrained(path, dtype=jnp.float32)
-    mtp = ik.init_params(cfg, __import__("jax").random.key(3))["mtp"]
+    mtp = ik.init_params(cfg, jax.random.key(3))["mtp"]
     params = dict(params, mtp=mtp)
     ik.save_pretrained(tmp_path, cfg, params, naming="hub")
     reloaded = InklingForConditionalGeneration.from_pretrained(tmp_path).eval()
     tokens = random_tokens(cfg, (1, SEQ), seed=2)
     with torch_threads.no_grad():
         ref = reloaded(input_ids=torch_threads.tensor(tokens, dtype=torch_threads.long)).logits.numpy()
-    assert_logits_close(ik.forward(params, cfg, tokens), ref)
+    assert_logits_close(forward(params, cfg, tokens), ref)
     # and our loader reads the MTP tensors back bit for bit
     cfg2, params2 = ik.load_pretrained(tmp_path, dtype=jnp.float32)
     assert cfg2 == cfg
@@ -86,7 +91,7 @@ def test_transformers_naming_both_directions(name, tmp_path, torch_threads):
     tokens = random_tokens(cfg, (2, SEQ), seed=3)
     with torch_threads.no_grad():
         ref = model(input_ids=torch_threads.tensor(tokens, dtype=torch_threads.long)).logits.numpy()
-    ours = ik.forward(params, cfg, tokens)
+    ours = forward(params, cfg, tokens)
     assert_logits_close(ours, ref)
 
     ik.save_pretrained(tmp_path / "ours", cfg, params, naming="transformers")
@@ -107,7 +112,9 @@ def test_in_memory_hf_model_is_the_saved_checkpoint(name, dtype, tmp_path, torch
 
     torch = torch_threads
     cfg = PARITY_CONFIGS[name]
-    params = ik.cast_params(ik.init_params(cfg, __import__("jax").random.key(4), std=0.1), jnp.dtype(dtype))
+    # cast on the host (cast_params does for numpy leaves): on the device a program per shape
+    params = ik.cast_params(jax.tree.map(np.asarray, ik.init_params(cfg, jax.random.key(4), std=0.1)),
+                            jnp.dtype(dtype))
     model = causal_lm(cfg, params, getattr(torch, dtype))
     trunk = cfg.replace(num_mtp_layers=0, mtp_local_layer_ids=())
     ik.save_pretrained(tmp_path, trunk, {k: v for k, v in params.items() if k != "mtp"}, naming="transformers")
@@ -121,4 +128,4 @@ def test_in_memory_hf_model_is_the_saved_checkpoint(name, dtype, tmp_path, torch
         tokens = random_tokens(cfg, (2, SEQ), seed=5)
         with torch.no_grad():
             ref = model(input_ids=torch.tensor(tokens, dtype=torch.long)).logits.numpy()
-        assert_logits_close(ik.forward(params, cfg, tokens), ref)
+        assert_logits_close(forward(params, cfg, tokens), ref)

@@ -10,6 +10,7 @@ head_dim runs in Triton's order: the formula with GPU-like sum orders is checked
 from __future__ import annotations
 
 import dataclasses
+from functools import partial
 
 import jax
 import jax.extend  # jax.extend.core below: a submodule `import jax` does not load
@@ -31,17 +32,32 @@ EPS = 1e-6
 MAX_ULPS = {jnp.float32: 4.0, jnp.bfloat16: 1.0}  # compiled (GPU) bound: see test_gpu_sum_order
 
 
+def arr(x, dtype=None):
+    """x as a device array, cast on the host via float32 (as jnp.asarray of float64 data: round to
+    nearest even): jnp.asarray / astype on host data compile a tiny XLA program per shape."""
+    x = np.asarray(x)
+    return jax.device_put(np.asarray(x.astype(np.float32) if x.dtype == np.float64 else x, dtype))
+
+
 def inputs(rng, t: int, nh: int, nkv: int, hd: int, dtype, q_extra: int = 0):
-    q = jnp.asarray(3 * rng.standard_normal((t, nh * hd + q_extra)), dtype)
-    kv = jnp.asarray(rng.standard_normal((t, 2 * nkv * hd)), dtype)
-    wq = jnp.asarray(1 + 0.2 * rng.standard_normal((hd,)), dtype)
-    wk = jnp.asarray(1 + 0.2 * rng.standard_normal((hd,)), dtype)
+    q = arr(3 * rng.standard_normal((t, nh * hd + q_extra)), dtype)
+    kv = arr(rng.standard_normal((t, 2 * nkv * hd)), dtype)
+    wq = arr(1 + 0.2 * rng.standard_normal((hd,)), dtype)
+    wk = arr(1 + 0.2 * rng.standard_normal((hd,)), dtype)
     return q, kv, wq, wk
 
 
+@partial(jax.jit, static_argnames=("op", "nh", "nkv", "hd", "kw"))
+def _qk_norm(q, kv, wq, wk, *, op, nh, nkv, hd, kw=()):
+    return op(q, kv, wq, wk, num_heads=nh, num_kv_heads=nkv, head_dim=hd, eps=EPS, **dict(kw))
+
+
 def call(op, nh, nkv, hd, **kw):
-    return jax.jit(lambda q, kv, wq, wk: op(q, kv, wq, wk, num_heads=nh, num_kv_heads=nkv, head_dim=hd, eps=EPS,
-                                            **kw))
+    """op jitted at these heads: one module-level jax.jit, so one compile per op, heads and shapes."""
+    return partial(_qk_norm, op=op, nh=nh, nkv=nkv, hd=hd, kw=tuple(sorted(kw.items())))
+
+
+rms_norm = jax.jit(layers.rms_norm, static_argnums=2)
 
 
 def kernel_names(fn, *args) -> list:
@@ -75,8 +91,9 @@ def test_ref_is_the_layers_norm():
     for dt in (jnp.float32, jnp.bfloat16):
         q, kv, wq, wk = inputs(rng, 3, 4, 2, 16, dt)
         qn, kn = call(rnorm.qk_norm, 4, 2, 16)(q, kv, wq, wk)
-        want_q = jax.jit(layers.rms_norm, static_argnums=2)(q.reshape(3, 4, 16), wq, EPS)
-        want_k = jax.jit(layers.rms_norm, static_argnums=2)(kv[:, :32].reshape(3, 2, 16), wk, EPS)
+        # the heads split on the host (reshaping or slicing a device array compiles)
+        want_q = rms_norm(arr(np.asarray(q).reshape(3, 4, 16)), wq, EPS)
+        want_k = rms_norm(arr(np.asarray(kv)[:, :32].reshape(3, 2, 16)), wk, EPS)
         np.testing.assert_array_equal(np.asarray(qn, np.float32), np.asarray(want_q, np.float32))
         np.testing.assert_array_equal(np.asarray(kn, np.float32), np.asarray(want_k, np.float32))
 
@@ -125,8 +142,10 @@ def test_gpu_sum_order(dtype):
     rng = np.random.RandomState(9)
     worst = 0.0
     for scale in (1e-3, 1.0, 300.0):
-        x = jnp.asarray(scale * rng.standard_normal((64, 128)), dtype)
-        w = jnp.asarray(1 + 0.2 * rng.standard_normal((128,)), dtype)
+        x = arr(scale * rng.standard_normal((64, 128)), dtype)
+        w = arr(1 + 0.2 * rng.standard_normal((128,)), dtype)
+        # eager, not jitted: op by op each intermediate is rounded to dtype, as the formulas ask
+        # (a jitted program may keep bf16 intermediates in fp32); few compiles, shared by shape
         want = rnorm.rms_norm(x, w, EPS)
         for threads in (128, 32, 8):
             worst = max(worst, ulps(rms_norm_with_gpu_sum(x, w, EPS, threads), want))
@@ -137,15 +156,18 @@ def test_gradients_match_reference():
     """The backward pass is the reference's VJP (custom_vjp): zeros for q's columns past its heads."""
     rng = np.random.RandomState(5)
     q, kv, wq, wk = inputs(rng, 2, 4, 2, 16, jnp.float32, q_extra=16)
-    probes = [jnp.asarray(rng.standard_normal(s), jnp.float32) for s in ((2, 4, 16), (2, 2, 16))]
+    probes = [arr(rng.standard_normal(s), np.float32) for s in ((2, 4, 16), (2, 2, 16))]
 
     def grads(op, **kw):
         def loss(*args):
             outs = op(*args, num_heads=4, num_kv_heads=2, head_dim=16, eps=EPS, **kw)
             return sum(jnp.sum(o * p) for o, p in zip(outs, probes))
-        return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(q, kv, wq, wk)
+        return jax.grad(loss, argnums=(0, 1, 2, 3))
 
-    for i, (g, r) in enumerate(zip(grads(pnorm.qk_norm, interpret=INTERPRET), grads(rnorm.qk_norm))):
+    # both gradients in one jitted program: one compile, not two
+    got, want = jax.jit(lambda *a: (grads(pnorm.qk_norm, interpret=INTERPRET)(*a), grads(rnorm.qk_norm)(*a)))(
+        q, kv, wq, wk)
+    for i, (g, r) in enumerate(zip(got, want)):
         np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-6, atol=1e-6, err_msg=f"grad {i}")
 
 
@@ -205,10 +227,14 @@ def test_attention_block_uses_it_up_to_the_bound(monkeypatch, dtype):
     tests/cpu_flags.py): the older emitters compute the jnp norm 1 ulp apart in f32."""
     cfg = InklingConfig.tiny()
     geom = cfg.layer_geometry(0)
-    params = jax.tree.map(lambda a: a.astype(dtype),
+    # cast and shifted on the host (numpy: round to nearest even, as XLA; on the device each op
+    # compiles a program per shape)
+    params = jax.tree.map(lambda a: np.asarray(a).astype(dtype),
                           layers.with_kv_conv(ik.init_params(cfg, jax.random.PRNGKey(0)))["layers"][0]["attn"])
-    params = {**params, "q_norm": params["q_norm"] + 0.1, "k_norm": params["k_norm"] - 0.1}
-    x = jnp.asarray(np.random.RandomState(1).standard_normal((5, cfg.hidden_size)), dtype)
+    shift = np.asarray(0.1, dtype)  # (a Python 0.1 would promote numpy's bf16 to fp32)
+    params = {**params, "q_norm": params["q_norm"] + shift, "k_norm": params["k_norm"] - shift}
+    params = jax.tree.map(arr, params)
+    x = arr(np.random.RandomState(1).standard_normal((5, cfg.hidden_size)), dtype)
     monkeypatch.setattr(pk.ops, "QK_NORM_MAX_TOKENS", 5)
     kernel = pk.conv_ops(True, interpret=INTERPRET).qk_norm
     block = lambda ctx: jax.jit(lambda p, x: layers.attention_block(p, cfg, geom, x, ctx))
