@@ -72,8 +72,9 @@ for part in "$@"; do
         spec) run_part spec 400 python -m bench.serve.serve --sections spec --cache-dir "$CACHE" --out "$OUT/spec.md" ;;
         moe) run_part moe 150 python -m bench.kernels.moe_micro --many ;;
         profile)
-            run_part profile_decode 150 python -m bench.profile.engine --batch 1
-            run_part profile_verify 150 python -m bench.profile.engine --batch 1 --spec-steps 3 ;;
+            run_part profile_decode 150 python -m bench.profile.engine --batch 1 --hlo-out "$OUT/decode_hlo.txt"
+            run_part profile_verify 150 python -m bench.profile.engine --batch 1 --spec-steps 3 \
+                --hlo-out "$OUT/verify_hlo.txt" ;;
         startup)
             run_part startup_make_run 300 python -m bench.serve.startup --cold-runs 1 --warm-runs 3
             run_part startup_bench 300 python -m bench.serve.serve --sections startup --startup-warmup \
