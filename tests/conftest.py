@@ -85,6 +85,17 @@ def random_tokens(cfg: ik.InklingConfig, shape, seed: int = 0) -> np.ndarray:
     return np.random.RandomState(seed).randint(0, cfg.unpadded_vocab_size, shape).astype(np.int32)
 
 
+def device_array(x, dtype=None) -> jax.Array:
+    """Host data as a device array, cast on the host: jnp.asarray / .astype / .at[] on host data
+    compile a small XLA program per shape and dtype (the kernel tests made thousands). float64
+    becomes float32 first, as jnp.asarray makes it without x64; numpy's casts round to nearest
+    even, as XLA's convert does."""
+    a = np.asarray(x)
+    if a.dtype == np.float64:
+        a = a.astype(np.float32)
+    return jax.device_put(a if dtype is None else a.astype(dtype))
+
+
 # ------------------------------------------------------------------ engine fixtures
 
 # The tiny preset on two layers, a sliding dense one and a full MoE one, with its three MTP

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import has_cuda_device
+from conftest import device_array, has_cuda_device
 
 from inkling_jax.config import AttentionGeometry, InklingConfig
 from inkling_jax.model import layers
@@ -27,14 +27,8 @@ SMALL = dict(bq=16, bk=16)
 TOL = {jnp.float32: dict(rtol=1e-5, atol=1e-5), jnp.bfloat16: dict(rtol=2e-2, atol=2e-2)}
 
 
-def arr(x, dtype=None):
-    """x as a device array, cast on the host (round to nearest even, as XLA's convert):
-    jnp.asarray / astype on host data compile a tiny XLA program (stage, convert) per shape."""
-    return jax.device_put(np.asarray(x, dtype))
-
-
 def rand(rng, shape, dtype=jnp.float32, scale=1.0):
-    return arr(np.asarray(scale * rng.standard_normal(shape), np.float32), dtype)
+    return device_array(np.asarray(scale * rng.standard_normal(shape), np.float32), dtype)
 
 
 def close(a, b, rtol, atol):
@@ -78,7 +72,7 @@ def make_case(rng, *, b, nq, nk, h, hkv, d, e, dtype, layout, q_start, invalid_f
     k_valid = rng.random((b, nk)) >= invalid_frac
     if layout == "ring":
         k_pos = np.where(k_valid, k_pos, -1).astype(np.int32)  # empty ring slots: negative positions
-    return q, k, v, rel, arr(q_pos), arr(k_pos), arr(k_valid)
+    return q, k, v, rel, device_array(q_pos), device_array(k_pos), device_array(k_valid)
 
 
 CASES = {
@@ -107,7 +101,8 @@ def test_kernel_matches_reference(name):
     assert has_key.any() and (norms[has_key] > 0).all()
     assert (norms[~has_key] == 0).all()
     if name == "f32_gqa8_beyond_E":  # the bias matters where it applies: without it the result differs
-        no_bias = ref_attention(*args[:3], arr(np.zeros(args[3].shape, args[3].dtype)), *args[4:], window=window)
+        zero_rel = device_array(np.zeros(args[3].shape, args[3].dtype))
+        no_bias = ref_attention(*args[:3], zero_rel, *args[4:], window=window)
         assert np.abs(np.asarray(no_bias) - np.asarray(want)).max() > 1e-3
 
 
@@ -117,11 +112,11 @@ def test_queries_without_allowed_keys_give_zeros():
     rng = np.random.default_rng(7)
     q, k, v, rel, _, k_pos, k_valid = make_case(rng, b=3, nq=20, nk=40, h=4, hkv=2, d=16, e=16, dtype=jnp.float32,
                                                 layout="sorted", q_start=0)
-    k_pos = arr(np.asarray(k_pos) + 10)  # keys at 10..49
-    q_pos = arr(np.stack([np.arange(20),  # queries 0..9 precede every key
+    k_pos = device_array(np.asarray(k_pos) + 10)  # keys at 10..49
+    q_pos = device_array(np.stack([np.arange(20),  # queries 0..9 precede every key
                           np.arange(20) + 30,  # row 1: all keys invalid below
                           np.arange(20) * 5]), np.int32)  # row 2: late queries outrun the window
-    k_valid = arr(np.asarray(k_valid) & np.asarray([[True], [False], [True]]))  # row 1: none valid
+    k_valid = device_array(np.asarray(k_valid) & np.asarray([[True], [False], [True]]))  # row 1: none valid
     window = 12
     out = kernel(q, k, v, rel, q_pos, k_pos, k_valid, window=window)
     close(out, ref_attention(q, k, v, rel, q_pos, k_pos, k_valid, window=window), rtol=1e-5, atol=1e-5)
@@ -144,9 +139,9 @@ def test_dead_key_blocks_are_skipped(window):
                                                     dtype=jnp.float32, layout="sorted", q_start=20)
     k_valid = np.array(k_valid)
     k_valid[0, 32:48] = False  # row 0: key block 2 has no valid key
-    k_valid = arr(k_valid)
+    k_valid = device_array(k_valid)
     nk_blocks = 96 // bk
-    q_pad = arr(np.pad(np.asarray(q_pos), ((0, 0), (0, 48 - 40)), mode="edge"))
+    q_pad = device_array(np.pad(np.asarray(q_pos), ((0, 0), (0, 48 - 40)), mode="edge"))
     order, ends = live_blocks(q_pad, k_pos, k_valid, window, 32, bq, bk)
     assert order.dtype == ends.dtype == jnp.int32
     allowed = allowed_np(q_pad, k_pos, k_valid, window)  # [B, Qp, K]
@@ -161,8 +156,8 @@ def test_dead_key_blocks_are_skipped(window):
     dead = ~pair.any(axis=1)  # [B, nk]: key blocks no query block uses
     assert dead.sum() >= 3  # the future blocks (keys >= 68), row 0's invalid block, (window) the old ones
     dead_keys = np.repeat(dead, bk, axis=1)[:, :, None, None]
-    poisoned_k, poisoned_v = (arr(np.where(dead_keys, np.nan, x), np.float32) for x in (k, v))
-    zeroed_k, zeroed_v = (arr(np.where(dead_keys, 0.0, x), np.float32) for x in (k, v))
+    poisoned_k, poisoned_v = (device_array(np.where(dead_keys, np.nan, x), np.float32) for x in (k, v))
+    zeroed_k, zeroed_v = (device_array(np.where(dead_keys, 0.0, x), np.float32) for x in (k, v))
     out = kernel(q, poisoned_k, poisoned_v, rel, q_pos, k_pos, k_valid, window=window)
     want = ref_attention(q, zeroed_k, zeroed_v, rel, q_pos, k_pos, k_valid, window=window)
     assert np.isfinite(np.asarray(out)).all()
@@ -195,7 +190,7 @@ def far_case(rng, *, dtype, layout, window, e=16, invalid_frac=0.15):
     k_valid = rng.random((b, nk)) >= invalid_frac
     k_valid[1] &= (k_pos[1] < 24) | ((k_pos[1] >= 80) & (k_pos[1] <= 120))
     k_pos = np.where(k_valid, k_pos, -7 if layout == "shuffled" else k_pos).astype(np.int32)
-    return q, k, v, rel, arr(q_pos), arr(k_pos), arr(k_valid)
+    return q, k, v, rel, device_array(q_pos), device_array(k_pos), device_array(k_valid)
 
 
 FAR_CASES = {
@@ -322,7 +317,7 @@ def test_reference_matches_attention_core(geom_name, dtype):
     q, k, v = rand(rng, (b, nq, nh, hd), dtype), rand(rng, (b, nk, nkv, hd), dtype), rand(rng, (b, nk, nkv, hd), dtype)
     r = rand(rng, (b, nq, nh, cfg.d_rel), dtype)
     rel_proj = rand(rng, (cfg.d_rel, geom.rel_extent), jnp.float32, scale=0.5)
-    q_pos = arr(np.broadcast_to(np.arange(nq) + 40, (b, nq)), np.int32)  # tau > 1 from pos 8 on
+    q_pos = device_array(np.broadcast_to(np.arange(nq) + 40, (b, nq)), np.int32)  # tau > 1 from pos 8 on
     if geom.window is None:
         k_pos = np.broadcast_to(np.arange(nk) + 12, (b, nk))
         k_valid = rng.random((b, nk)) > 0.15
@@ -330,7 +325,7 @@ def test_reference_matches_attention_core(geom_name, dtype):
         k_pos = np.stack([rng.permutation(nk) + 12 for _ in range(b)])
         k_valid = rng.random((b, nk)) > 0.25
         k_pos = np.where(k_valid, k_pos, -1)
-    k_pos, k_valid = arr(k_pos, np.int32), arr(k_valid)
+    k_pos, k_valid = device_array(k_pos, np.int32), device_array(k_valid)
 
     @jax.jit  # everything compared, as one program: one compile, not one per op
     def run(q, k, v, r, rel_proj, q_pos, k_pos, k_valid):

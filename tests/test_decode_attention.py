@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import has_cuda_device
+from conftest import device_array, has_cuda_device
 
 from inkling_jax.config import AttentionGeometry, InklingConfig
 from inkling_jax.model import layers
@@ -27,14 +27,8 @@ UNIT_TOKENS = 16  # token rows per arena unit (pages: the page size)
 GARBAGE = 3.0  # scale of arena contents no valid key may read (finite: masked p * v must be 0)
 
 
-def arr(x, dtype=None):
-    """x as a device array, cast on the host (round to nearest even, as XLA's convert):
-    jnp.asarray / astype on host data compile a tiny XLA program (stage, convert) per shape."""
-    return jax.device_put(np.asarray(x, dtype))
-
-
 def rand(rng, shape, dtype=jnp.float32, scale=1.0):
-    return arr(np.asarray(scale * rng.standard_normal(shape), np.float32), dtype)
+    return device_array(np.asarray(scale * rng.standard_normal(shape), np.float32), dtype)
 
 
 # The kernels (with their glue) and the references under jax.jit: one XLA compile per function
@@ -84,7 +78,7 @@ class Case:
                 for p in live:
                     tok[first[i] * UNIT_TOKENS + p % ring] = hist[i, p].reshape(-1)
                 ctx.append(list(live))
-            self.unit_row = arr(first, np.int32)
+            self.unit_row = device_array(first, np.int32)
         else:
             units = 2 + b * pages
             arena = GARBAGE * rng.standard_normal((units, unit)).astype(np.float32)
@@ -98,13 +92,13 @@ class Case:
                 for p in range(seq[i]):
                     tok[table[i, p // UNIT_TOKENS] * UNIT_TOKENS + p % UNIT_TOKENS] = hist[i, p].reshape(-1)
                 ctx.append(list(range(seq[i])))
-            self.unit_row = arr(table, np.int32)
+            self.unit_row = device_array(table, np.int32)
         self.arena_np = arena
-        self.arena = arr(arena, dtype)
-        self.seq_start = arr(seq, np.int32)
-        self.has_state = arr(has_state)
-        self.q_pos = arr(seq[:, None] + np.arange(nq)[None, :], np.int32)
-        self.q_valid = arr(q_valid, bool)
+        self.arena = device_array(arena, dtype)
+        self.seq_start = device_array(seq, np.int32)
+        self.has_state = device_array(has_state)
+        self.q_pos = device_array(seq[:, None] + np.arange(nq)[None, :], np.int32)
+        self.q_valid = device_array(q_valid, bool)
         self.q = rand(rng, (b, nq, h, hd), dtype)
         self.k_new = rand(rng, (b, nq, nkv, hd), dtype)
         self.v_new = rand(rng, (b, nq, nkv, hd), dtype)
@@ -112,7 +106,7 @@ class Case:
         self.rel_proj = rand(rng, (DR, e), dtype, scale=0.5)
         # log scaling (tau > 1, as for positions past n_floor) or none (tau = 1)
         tau = 1.0 + 0.4 * rng.random((b, nq)) if log_scaling else np.ones((b, nq))
-        self.tau = arr(tau, np.float32)
+        self.tau = device_array(tau, np.float32)
         # the context as an explicit key list (padded with invalid keys)
         n = max(1, max(len(c) for c in ctx))
         pos = np.zeros((b, n), np.int32)
@@ -120,7 +114,8 @@ class Case:
         kv = np.zeros((b, n, 2, nkv, hd), np.float32)
         for i, c in enumerate(ctx):
             pos[i, :len(c)], valid[i, :len(c)], kv[i, :len(c)] = c, True, hist[i, c]
-        self.ctx = arr(kv[:, :, 0], dtype), arr(kv[:, :, 1], dtype), arr(pos), arr(valid)
+        self.ctx = (device_array(kv[:, :, 0], dtype), device_array(kv[:, :, 1], dtype), device_array(pos),
+                    device_array(valid))
 
     def args(self, arena=None):
         head = (self.q, self.r, self.rel_proj, self.tau, self.k_new, self.v_new, self.q_pos, self.q_valid,
@@ -200,7 +195,7 @@ def test_reference_tables_are_attention_tables(dtype, log_scaling):
     cfg = InklingConfig.tiny(log_scaling_n_floor=8, log_scaling_alpha=0.3, d_rel=DR)
     geom = AttentionGeometry(False, H, NKV, HD, rel_extent=E, window=None, log_scaling=log_scaling)
     q, r, rel_proj = rand(rng, (2, 3, H, HD), dtype), rand(rng, (2, 3, H, DR), dtype), rand(rng, (DR, E), dtype)
-    q_pos = arr([[5, 6, 7], [40, 41, 42]], np.int32)
+    q_pos = device_array([[5, 6, 7], [40, 41, 42]], np.int32)
     # eager on purpose (few ops): a jitted bf16 program may keep excess precision between ops,
     # which could hide the rounding difference this bit-equality checks
     tau = layers.log_scaling_tau(q_pos, cfg) if log_scaling else jnp.ones(q_pos.shape, jnp.float32)
@@ -276,8 +271,8 @@ def test_dead_blocks_are_not_read(kind):
                 if s == 0 or not max(0, s - window + 1) // UNIT_TOKENS <= p <= (s - 1) // UNIT_TOKENS:
                     tok[table[i, p] * UNIT_TOKENS:(table[i, p] + 1) * UNIT_TOKENS] = np.nan
         assert np.isnan(tok[:UNIT_TOKENS]).all()  # the sink
-    poisoned_arena = arr(tok.reshape(c.arena_np.shape))
-    want = c.reference(window, arena=arr(np.nan_to_num(tok.reshape(c.arena_np.shape), nan=0.0)))
+    poisoned_arena = device_array(tok.reshape(c.arena_np.shape))
+    want = c.reference(window, arena=device_array(np.nan_to_num(tok.reshape(c.arena_np.shape), nan=0.0)))
     for s in (1, 3):
         out = c.kernel(window, num_splits=s, arena=poisoned_arena)
         assert np.isfinite(np.asarray(out)).all()
@@ -292,9 +287,9 @@ def test_fallbacks_are_the_reference():
     c = Case(rng, kind="ring", q_valid=Q_VALID[3], hd=12, **RING_ROWS)
     close(c.kernel(20), c.reference(20), rtol=1e-6, atol=1e-6)
     c = Case(rng, kind="pages", q_valid=Q_VALID[1], **PAGE_ROWS)
-    small = arr(c.arena_np.reshape(-1, UNIT_TOKENS // 2 * 2 * NKV * HD))  # 8-token units: pages of 8
+    small = device_array(c.arena_np.reshape(-1, UNIT_TOKENS // 2 * 2 * NKV * HD))  # 8-token units: pages of 8
     table = np.asarray(c.unit_row)
-    rows = arr(np.stack([table * 2, table * 2 + 1], axis=-1).reshape(c.b, -1))  # page p -> 2p, 2p+1
+    rows = device_array(np.stack([table * 2, table * 2 + 1], axis=-1).reshape(c.b, -1))  # page p -> 2p, 2p+1
     args = c.args(arena=small)[:-2] + (rows, c.seq_start)
     out = KERNEL["pages"](*args, page_size=8)
     close(out, REF["pages"](*args, page_size=8), rtol=0, atol=0)
@@ -313,7 +308,7 @@ def test_combine_kernel_matches_jnp_combine(splits):
     m = np.array(rand(rng, (b, splits, nq, h)))
     l = (rng.random((b, splits, nq, h)) + 0.1).astype(np.float32)
     m[0, 1], m[1, :, 0], l[0, 1], l[1, :, 0] = -np.inf, -np.inf, 0.0, 0.0
-    m, l = arr(m), arr(l)
+    m, l = device_array(m), device_array(l)
     want = np.asarray(jax.jit(decode.combine_splits)(acc, m, l))  # one compile, not one per op
     assert np.abs(want[1, 0]).max() == 0.0 and np.abs(want).max() > 0.1
     for dtype, tol in ((jnp.float32, 1e-6), (jnp.bfloat16, 0.0)):

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import ENGINE_KW, TRUNK, has_cuda_device
+from conftest import ENGINE_KW, TRUNK, device_array, has_cuda_device
 
 import inkling_jax as ik
 import pallas_kernels as pk
@@ -43,15 +43,9 @@ EXTRA_UNITS = 3  # units past the slots (pages), which must stay untouched
 # ------------------------------------------------------------------------- fixtures
 
 
-def arr(x, dtype=None):
-    """x as a device array, cast on the host (round to nearest even, as XLA's convert):
-    jnp.asarray / astype on host data compile a tiny XLA program (stage, convert) per shape."""
-    return jax.device_put(np.asarray(x, dtype))
-
-
 def rand(rng, shape, dtype, scale=1.0):
     """scale * standard normal draws (float64) rounded to float32, then to dtype (as jnp.asarray did)."""
-    return arr(np.asarray(scale * rng.standard_normal(shape), np.float32), dtype)
+    return device_array(np.asarray(scale * rng.standard_normal(shape), np.float32), dtype)
 
 
 def tiny_layout(k: int, page_size: int = 4, spec_steps: int = 0) -> ArenaLayout:
@@ -80,7 +74,7 @@ def random_arena(rng, lay: ArenaLayout, fields: list[Field], dtype) -> jax.Array
             flat = a[rows].reshape(-1)
             flat[f.elems:] = 0
             a[rows] = flat.reshape(f.units, e)
-    return arr(a, dtype)
+    return device_array(a, dtype)
 
 
 @jax.tree_util.register_dataclass
@@ -173,9 +167,9 @@ def random_meta(rng, num_rows: int, num_tokens: int, km1: int, decode: bool, q: 
         old_of = rng.permutation(num_tokens)
         new_of = np.argsort(old_of)
         token_row, token_offset, row_tokens = token_row[old_of], token_offset[old_of], new_of[row_tokens]
-    i32 = lambda a: arr(a, np.int32)
+    i32 = lambda a: device_array(a, np.int32)
     rows = PackedRows(token_row=i32(token_row), token_offset=i32(token_offset), row_tokens=i32(row_tokens),
-                      has_state=arr(has_state), commit_len=i32(commit_len), track_len=i32(track_len))
+                      has_state=device_array(has_state), commit_len=i32(commit_len), track_len=i32(track_len))
     return Meta(rows, i32(active), i32(track_dest))
 
 
@@ -404,7 +398,8 @@ def test_slot_ops_match_reference():
     # whole slots, the draft block alone, a run inside the slot (rows from layout.slot_row)
     for first, n in [(0, lay.slot_units), (lay.draft_unit_start, lay.draft_units), (2, 3)]:
         kw = (("num_units", n), ("sink_rows", lay.sink_rows))
-        src_rows, dst_rows = arr(lay.slot_row(src) + first, np.int32), arr(lay.slot_row(dst) + first, np.int32)
+        src_rows = device_array(lay.slot_row(src) + first, np.int32)
+        dst_rows = device_array(lay.slot_row(dst) + first, np.int32)
         got = jit_slot_op(arena, src_rows, dst_rows, op=ops.copy_units, kw=kw)
         want = jit_slot_op(arena, src_rows, dst_rows, op=ref_units.copy_units, kw=kw)
         assert_arena(got, want, arena, lay, f"copy first={first} n={n}")
@@ -413,7 +408,7 @@ def test_slot_ops_match_reference():
         assert_arena(got, want, arena, lay, f"clear first={first} n={n}")
 
     units = rng.permutation(arena.shape[0])[:10]  # compaction moves: single units anywhere, no sink
-    src_rows, dst_rows = arr(units[:5], np.int32), arr(units[5:], np.int32)
+    src_rows, dst_rows = device_array(units[:5], np.int32), device_array(units[5:], np.int32)
     got = jit_slot_op(arena, src_rows, dst_rows, op=ops.copy_units)
     assert_bits(got, jit_slot_op(arena, src_rows, dst_rows, op=ref_units.copy_units), "move units")
 
@@ -452,7 +447,7 @@ def test_gradients_match_reference():
     # the sink's contents are arbitrary (padded rows race for it): the loss ignores it
     probe_a = np.asarray(rng.standard_normal(arena.shape), np.float32)
     probe_a[:lay.slot_units] = 0.0
-    probe_a = arr(probe_a)
+    probe_a = device_array(probe_a)
 
     def loss(update):
         def fn(a, xx, ww):
@@ -470,7 +465,8 @@ def test_gradients_match_reference():
 
     _grad_check(wloss(ops.conv_write), wloss(ref_conv.conv_write), (arena, x, window), (0, 1, 2), "conv_write")
 
-    src, dst = arr(lay.slot_row(np.asarray([1, 2])), np.int32), arr(lay.slot_row(np.asarray([3, 4])), np.int32)
+    src = device_array(lay.slot_row(np.asarray([1, 2])), np.int32)
+    dst = device_array(lay.slot_row(np.asarray([3, 4])), np.int32)
     kw = dict(num_units=lay.slot_units, sink_rows=lay.sink_rows)
     _grad_check(lambda a: jnp.sum(ops.copy_units(a, src, dst, **kw) * probe_a),
                 lambda a: jnp.sum(ref_units.copy_units(a, src, dst, **kw) * probe_a), (arena,), (0,), "copy")

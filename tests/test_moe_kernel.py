@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import has_cuda_device
+from conftest import device_array, has_cuda_device
 
 import inkling_jax as ik
 import pallas_kernels as pk
@@ -30,14 +30,8 @@ SMALL = dict(tf=32, bh=32)  # small tiles: several column tiles and splits on te
 GROUPED_SMALL = dict(bm=16, bn=16, bk=16)  # grouped GEMMs: several blocks, column tiles and k steps
 
 
-def put(a, dtype=None):
-    """A host array on the device, cast by numpy (bf16: ml_dtypes, to nearest even as XLA's
-    convert): jnp.asarray compiles a program per shape and dtype."""
-    return jax.device_put(np.asarray(a, dtype))
-
-
 def rand(rng, shape, dtype=jnp.float32, scale=1.0):
-    return put(np.asarray(scale * rng.standard_normal(shape), np.float32), dtype)
+    return device_array(np.asarray(scale * rng.standard_normal(shape), np.float32), dtype)
 
 
 def ref_matvec(x, idx, w):
@@ -50,7 +44,7 @@ def with_id(idx, where, value):
     """idx with idx[where] = value, set in numpy (an eager .at[].set() is a scatter program)."""
     idx = np.array(idx)
     idx[where] = value
-    return put(idx)
+    return device_array(idx)
 
 
 def close(a, b, rtol, atol):
@@ -73,7 +67,7 @@ def test_grouped_matvec(case):
     rng = np.random.default_rng(len(ids) * 1000 + h + f + (splits or 0))
     m = len(ids)
     x, w = rand(rng, (m, h), xd), rand(rng, (E, h, f), wd)
-    idx = put(ids, np.int32)
+    idx = device_array(ids, np.int32)
     y, want = jax.jit(lambda x, idx, w: (moe.grouped_matvec(x, idx, w, **SMALL, splits=splits, interpret=INTERPRET),
                                          moe_ref.grouped_matvec(x, idx, w)))(x, idx, w)
     assert y.shape == (m, f) and y.dtype == jnp.float32
@@ -93,8 +87,9 @@ def test_grouped_matvec_x_repeat_and_clamp(dtype, x_repeat):
     mx, h, f = 2, 128, 64
     x, w = rand(rng, (mx, h), dtype), rand(rng, (E, h, f), dtype)
     ids = [-3, E, 2, E + 5, 0, E - 1][:mx * x_repeat] if x_repeat > 1 else [E + 5, -1]
-    idx = put(ids, np.int32)
-    x_rep, clipped = put(np.repeat(np.asarray(x), x_repeat, axis=0)), put(np.clip(ids, 0, E - 1), np.int32)
+    idx = device_array(ids, np.int32)
+    x_rep = device_array(np.repeat(np.asarray(x), x_repeat, axis=0))
+    clipped = device_array(np.clip(ids, 0, E - 1), np.int32)
     mv = lambda x, i, w, **kw: moe.grouped_matvec(x, i, w, **kw, **SMALL, interpret=INTERPRET)
     y, base, want = jax.jit(lambda x, idx, w, x_rep, clipped: (
         mv(x, idx, w, x_repeat=x_repeat), mv(x_rep, clipped, w), moe_ref.grouped_matvec(x, idx, w, x_repeat)))(
@@ -115,13 +110,13 @@ def test_grouped_matvec_defaults_and_loop():
     (h / bh / S = 32 blocks per program)."""
     rng = np.random.default_rng(7)
     x, w = rand(rng, (2, 256), jnp.bfloat16), rand(rng, (E, 256, 256), jnp.bfloat16)
-    idx = put([E - 1, 0], np.int32)
+    idx = device_array([E - 1, 0], np.int32)
     assert moe.grid_for(2, 256, 256) == (2, 2, 4)
     y = jax.jit(lambda *a: moe.grouped_matvec(*a, interpret=INTERPRET))(x, idx, w)
     close(y, ref_matvec(x, idx, w), rtol=1e-5, atol=1e-4)
 
     x, w = rand(rng, (2, 512)), rand(rng, (E, 512, 64))
-    idx = put([1, 6], np.int32)
+    idx = device_array([1, 6], np.int32)
     assert moe.grid_for(2, 512, 64, tf=64, bh=16, splits=1) == (2, 1, 1)
     y = jax.jit(lambda *a: moe.grouped_matvec(*a, tf=64, bh=16, splits=1, interpret=INTERPRET))(x, idx, w)
     close(y, ref_matvec(x, idx, w), rtol=1e-5, atol=1e-4)
@@ -133,7 +128,7 @@ def test_partials_all_written():
     rng = np.random.default_rng(11)
     m, h, f = 3, 256, 256
     x, w = rand(rng, (m, h)), rand(rng, (E, h, f))
-    idx = put([E - 1, 4, 0], np.int32)
+    idx = device_array([E - 1, 4, 0], np.int32)
     tf, bh, s = 32, 32, 4
     part = np.asarray(moe._partials(x, idx, w, tf, bh, s, 4, INTERPRET))
     assert part.shape == (m, s, f) and np.isfinite(part).all()
@@ -151,7 +146,7 @@ def test_plan_and_fallback():
         moe.grid_for(4, 256, 256, bh=32, splits=3)
     rng = np.random.default_rng(3)
     x, w = rand(rng, (2, 64)), rand(rng, (E, 64, 24))
-    idx = put([0, E - 1], np.int32)
+    idx = device_array([0, E - 1], np.int32)
     y = jax.jit(lambda *a: moe.grouped_matvec(*a, interpret=INTERPRET))(x, idx, w)
     close(y, ref_matvec(x, idx, w), rtol=1e-5, atol=1e-5)
 
@@ -166,8 +161,8 @@ def moe_inputs(rng, n, k, dtype, h=128, f=64):
     idx[0, 0] = E - 1
     if n * k > 1:
         idx[-1, -1] = 0
-    idx = put(idx)
-    weight = put(rng.uniform(0.1, 1.0, (n, k)), np.float32)
+    idx = device_array(idx)
+    weight = device_array(rng.uniform(0.1, 1.0, (n, k)), np.float32)
     w13 = rand(rng, (E, h, 2 * f), dtype, scale=h ** -0.5)
     w2 = rand(rng, (E, f, h), dtype, scale=f ** -0.5)
     return x, idx, weight, w13, w2
@@ -257,7 +252,7 @@ def test_grouped_matvec_extra_rows():
     n, k, s_, h, f = 2, 3, 2, 128, 64
     g = k + s_
     x, w, wx = rand(rng, (n, h)), rand(rng, (E, h, f)), rand(rng, (s_, h, f))
-    idx = put([E + 2, -1, 4, 0, E - 1, 7], np.int32)
+    idx = device_array([E + 2, -1, 4, 0, E - 1, 7], np.int32)
     # the kernel's rows and the reference's, one program per x_repeat
     both = jax.jit(lambda x, idx, w, wx, x_repeat: (extra_rows(x, idx, w, wx, x_repeat, g),
                                                     moe_ref.grouped_matvec_extra(x, idx, w, wx, x_repeat, g)),
@@ -293,7 +288,7 @@ def test_moe_experts_with_shared(n, k, s_, gated, dtype):
         idx = with_id(idx, (0, -1), E + 3)
     sw13 = rand(rng, (s_,) + w13.shape[1:], dtype, scale=w13.shape[1] ** -0.5)
     sw2 = rand(rng, (s_,) + w2.shape[1:], dtype, scale=w2.shape[1] ** -0.5)
-    gamma = put(rng.uniform(0.1, 1.0, (n, s_)), np.float32)
+    gamma = device_array(rng.uniform(0.1, 1.0, (n, s_)), np.float32)
 
     def run(x, idx, weight, w13, w2, sw13, sw2, gamma):  # the joined kernel, the oracle, the separate kernels
         args = (x, idx, weight, w13, w2, sw13, sw2, gamma)
@@ -325,7 +320,7 @@ def test_moe_experts_with_shared_grad_and_fallback():
     rng = np.random.default_rng(70)
     x, idx, weight, w13, w2 = moe_inputs(rng, 2, 2, jnp.float32)
     sw13, sw2 = rand(rng, (2,) + w13.shape[1:], scale=0.1), rand(rng, (2,) + w2.shape[1:], scale=0.1)
-    gamma = put(rng.uniform(0.1, 1.0, (2, 2)), np.float32)
+    gamma = device_array(rng.uniform(0.1, 1.0, (2, 2)), np.float32)
     r = rand(rng, x.shape)
     kern = lambda *a: moe.moe_experts_with_shared(*a, gated=True, **SMALL, interpret=INTERPRET)
     refn = lambda *a: moe_ref.experts(*a, gated=True)
@@ -356,7 +351,7 @@ def spied_ops(monkeypatch, calls: list, **kernels):
 
 def moe_layer(cfg, seed, dtype):
     p = ik.init_params(cfg, jax.random.key(seed))["layers"][cfg.dense_layer_ids[-1] + 1]["mlp"]
-    return jax.tree.map(lambda a: put(a, dtype) if a.dtype == jnp.bfloat16 else a, p)
+    return jax.tree.map(lambda a: device_array(a, dtype) if a.dtype == jnp.bfloat16 else a, p)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
@@ -436,7 +431,7 @@ def test_dispatch_layout():
     dispatch = jax.jit(grouped.dispatch, static_argnums=(1, 2))  # one compile per shape, not per op
     for n, k, e, bm in [(37, 4, 8, 16), (5, 2, 8, 16), (64, 1, 4, 16), (9, 3, 8, 4)]:
         for idx in [rng.integers(0, e, (n, k)), np.zeros((n, k), int), np.arange(n * k).reshape(n, k) % e]:
-            d = dispatch(put(idx, np.int32), e, bm)
+            d = dispatch(device_array(idx, np.int32), e, bm)
             rows = np.asarray(d.row_of_choice)
             be = np.asarray(d.block_expert)
             cor = np.asarray(d.choice_of_row)
@@ -471,8 +466,8 @@ def test_moe_experts_grouped_one_expert_and_defaults():
     the reference where the test shapes are too narrow; w in fp32 cast to x's dtype."""
     rng = np.random.default_rng(21)
     x, idx, weight, w13, w2 = moe_inputs(rng, 33, 2, jnp.bfloat16, h=64, f=32)
-    idx = put(np.full(idx.shape, 3, np.int32))
-    w13f, w2f = put(w13, np.float32), put(w2, np.float32)
+    idx = device_array(np.full(idx.shape, 3, np.int32))
+    w13f, w2f = device_array(w13, np.float32), device_array(w2, np.float32)
     fn = jax.jit(lambda *a: (grouped.moe_experts_grouped(*a, **GROUPED_SMALL, interpret=INTERPRET),
                              moe_ref.moe_experts_dense(*a)))
     out, ref = fn(x, idx, weight, w13f, w2f)
@@ -516,7 +511,7 @@ def test_moe_experts_ragged(dtype):
 
 def routing(n, k, e, seed=0):
     rng = np.random.default_rng(seed)
-    return (put(rng.integers(0, e, (n, k)), np.int32), put(rng.uniform(0.1, 1.0, (n, k)), np.float32))
+    return (device_array(rng.integers(0, e, (n, k)), np.int32), device_array(rng.uniform(0.1, 1.0, (n, k)), np.float32))
 
 
 def test_experts_op_picks_grouped_for_many_tokens():
@@ -598,7 +593,7 @@ def test_shared_experts_through_the_matvec_kernel(monkeypatch, n, dtype):
     p = moe_layer(cfg, 1, dtype)
     rng = np.random.default_rng(40 + n)
     x = rand(rng, (n, cfg.hidden_size), dtype)
-    gamma = put(rng.uniform(0.1, 1.0, (n, cfg.n_shared_experts)), np.float32)
+    gamma = device_array(rng.uniform(0.1, 1.0, (n, cfg.n_shared_experts)), np.float32)
     matvec = lambda *a, **kw: moe.grouped_matvec(*a, **kw, **SMALL, interpret=INTERPRET)
     shared = (p["shared_w13"], p["shared_w2"])
     got, want = jax.jit(lambda *a: (moe_ref.shared_experts(*a, gated=True, matvec=matvec),

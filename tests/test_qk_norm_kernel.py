@@ -17,7 +17,7 @@ import jax.extend  # jax.extend.core below: a submodule `import jax` does not lo
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import has_cuda_device, rms_norm_with_gpu_sum
+from conftest import device_array, has_cuda_device, rms_norm_with_gpu_sum
 from conftest import row_ulps as ulps
 
 import inkling_jax as ik
@@ -32,18 +32,11 @@ EPS = 1e-6
 MAX_ULPS = {jnp.float32: 4.0, jnp.bfloat16: 1.0}  # compiled (GPU) bound: see test_gpu_sum_order
 
 
-def arr(x, dtype=None):
-    """x as a device array, cast on the host via float32 (as jnp.asarray of float64 data: round to
-    nearest even): jnp.asarray / astype on host data compile a tiny XLA program per shape."""
-    x = np.asarray(x)
-    return jax.device_put(np.asarray(x.astype(np.float32) if x.dtype == np.float64 else x, dtype))
-
-
 def inputs(rng, t: int, nh: int, nkv: int, hd: int, dtype, q_extra: int = 0):
-    q = arr(3 * rng.standard_normal((t, nh * hd + q_extra)), dtype)
-    kv = arr(rng.standard_normal((t, 2 * nkv * hd)), dtype)
-    wq = arr(1 + 0.2 * rng.standard_normal((hd,)), dtype)
-    wk = arr(1 + 0.2 * rng.standard_normal((hd,)), dtype)
+    q = device_array(3 * rng.standard_normal((t, nh * hd + q_extra)), dtype)
+    kv = device_array(rng.standard_normal((t, 2 * nkv * hd)), dtype)
+    wq = device_array(1 + 0.2 * rng.standard_normal((hd,)), dtype)
+    wk = device_array(1 + 0.2 * rng.standard_normal((hd,)), dtype)
     return q, kv, wq, wk
 
 
@@ -92,8 +85,8 @@ def test_ref_is_the_layers_norm():
         q, kv, wq, wk = inputs(rng, 3, 4, 2, 16, dt)
         qn, kn = call(rnorm.qk_norm, 4, 2, 16)(q, kv, wq, wk)
         # the heads split on the host (reshaping or slicing a device array compiles)
-        want_q = rms_norm(arr(np.asarray(q).reshape(3, 4, 16)), wq, EPS)
-        want_k = rms_norm(arr(np.asarray(kv)[:, :32].reshape(3, 2, 16)), wk, EPS)
+        want_q = rms_norm(device_array(np.asarray(q).reshape(3, 4, 16)), wq, EPS)
+        want_k = rms_norm(device_array(np.asarray(kv)[:, :32].reshape(3, 2, 16)), wk, EPS)
         np.testing.assert_array_equal(np.asarray(qn, np.float32), np.asarray(want_q, np.float32))
         np.testing.assert_array_equal(np.asarray(kn, np.float32), np.asarray(want_k, np.float32))
 
@@ -142,8 +135,8 @@ def test_gpu_sum_order(dtype):
     rng = np.random.RandomState(9)
     worst = 0.0
     for scale in (1e-3, 1.0, 300.0):
-        x = arr(scale * rng.standard_normal((64, 128)), dtype)
-        w = arr(1 + 0.2 * rng.standard_normal((128,)), dtype)
+        x = device_array(scale * rng.standard_normal((64, 128)), dtype)
+        w = device_array(1 + 0.2 * rng.standard_normal((128,)), dtype)
         # eager, not jitted: op by op each intermediate is rounded to dtype, as the formulas ask
         # (a jitted program may keep bf16 intermediates in fp32); few compiles, shared by shape
         want = rnorm.rms_norm(x, w, EPS)
@@ -156,7 +149,7 @@ def test_gradients_match_reference():
     """The backward pass is the reference's VJP (custom_vjp): zeros for q's columns past its heads."""
     rng = np.random.RandomState(5)
     q, kv, wq, wk = inputs(rng, 2, 4, 2, 16, jnp.float32, q_extra=16)
-    probes = [arr(rng.standard_normal(s), np.float32) for s in ((2, 4, 16), (2, 2, 16))]
+    probes = [device_array(rng.standard_normal(s), np.float32) for s in ((2, 4, 16), (2, 2, 16))]
 
     def grads(op, **kw):
         def loss(*args):
@@ -233,8 +226,8 @@ def test_attention_block_uses_it_up_to_the_bound(monkeypatch, dtype):
                           layers.with_kv_conv(ik.init_params(cfg, jax.random.PRNGKey(0)))["layers"][0]["attn"])
     shift = np.asarray(0.1, dtype)  # (a Python 0.1 would promote numpy's bf16 to fp32)
     params = {**params, "q_norm": params["q_norm"] + shift, "k_norm": params["k_norm"] - shift}
-    params = jax.tree.map(arr, params)
-    x = arr(np.random.RandomState(1).standard_normal((5, cfg.hidden_size)), dtype)
+    params = jax.tree.map(device_array, params)
+    x = device_array(np.random.RandomState(1).standard_normal((5, cfg.hidden_size)), dtype)
     monkeypatch.setattr(pk.ops, "QK_NORM_MAX_TOKENS", 5)
     kernel = pk.conv_ops(True, interpret=INTERPRET).qk_norm
     block = lambda ctx: jax.jit(lambda p, x: layers.attention_block(p, cfg, geom, x, ctx))

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import has_cuda_device
+from conftest import device_array, has_cuda_device
 
 import inkling_jax as ik
 from inkling_jax.model import moe
@@ -23,7 +23,7 @@ TOL = dict(rtol=1e-6, atol=1e-7)  # a few ulp: exp / log1p / the logsumexp sum o
 
 def rand(rng, shape, scale=1.0):
     # cast and placed from the host: jnp.asarray compiles a program per shape and dtype
-    return jax.device_put(np.asarray(scale * rng.standard_normal(shape), np.float32))
+    return device_array(scale * rng.standard_normal(shape))
 
 
 def kernel_and_ref(logits, bias, scale, *, block_rows=None, **kw):
@@ -62,7 +62,7 @@ def test_matches_reference(n, e, s, k, block_rows, with_bias, with_scale):
     rng = np.random.default_rng(n * 1000 + e * 10 + s + k)
     logits = rand(rng, (n, e + s), 3.0)
     bias = rand(rng, (e,), 0.3) if with_bias else None
-    scale = jax.device_put(np.asarray([1.7], np.float32)) if with_scale else None
+    scale = device_array([1.7], np.float32) if with_scale else None
     got, want = kernel_and_ref(logits, bias, scale, k=k, route_scale=2.5, num_experts=e, block_rows=block_rows)
     assert got[0].shape == (n, k) and got[2].shape == (n, s)
     check(got, want)
@@ -73,7 +73,7 @@ def test_matches_reference(n, e, s, k, block_rows, with_bias, with_scale):
 
 def test_under_jit():
     rng = np.random.default_rng(3)
-    logits, bias, scale = rand(rng, (7, 34), 2.0), rand(rng, (32,), 0.2), jax.device_put(np.asarray([0.9], np.float32))
+    logits, bias, scale = rand(rng, (7, 34), 2.0), rand(rng, (32,), 0.2), device_array([0.9], np.float32)
     check(*kernel_and_ref(logits, bias, scale, k=4, route_scale=8.0, block_rows=4))
 
 
@@ -87,7 +87,7 @@ def test_ties_go_to_the_lower_index():
     logits[2, :e] = [20.0, 30.0, 3.0, 40.0, 25.0, 0.0, 50.0, 1.0]  # sigmoid == 1.0 for >= ~17: tied
     logits[3, :e] = [-3.0, 5.0, -3.0, -3.0, 5.0, 4.0, 4.0, -3.0]
     logits[:, e:] = [[0.1, -0.2]] * 4
-    logits = jax.device_put(logits)
+    logits = device_array(logits)
     expected = [[1, 3, 5, 7], [0, 1, 2, 3], [0, 1, 3, 4], [1, 4, 5, 6]]
     kw = dict(k=k, route_scale=8.0, num_experts=e)
     assert float(jax.nn.sigmoid(jnp.float32(20.0))) == 1.0
@@ -96,8 +96,8 @@ def test_ties_go_to_the_lower_index():
     check(got, want)
 
     # ties made by the bias: equal scores, bias equal on 2 / 6 and 1 / 5; -inf bias last
-    bias = jax.device_put(np.asarray([0.0, 0.25, 0.5, 0.0, -np.inf, 0.25, 0.5, -np.inf], np.float32))
-    flat = jax.device_put(np.zeros((2, e + s), np.float32))
+    bias = device_array([0.0, 0.25, 0.5, 0.0, -np.inf, 0.25, 0.5, -np.inf], np.float32)
+    flat = device_array(np.zeros((2, e + s), np.float32))
     got, want = kernel_and_ref(flat, bias, None, **kw)
     np.testing.assert_array_equal(np.asarray(want[0]), [[2, 6, 1, 5]] * 2)
     check(got, want)
@@ -127,8 +127,8 @@ def test_matches_route(cfg, n, keys):
     p = {"router": rand(rng, (h, e + s), 0.3)}
     if keys:
         p["router_bias"] = rand(rng, (e,), 0.1)
-        p["router_scale"] = jax.device_put(np.asarray([1.25], np.float32))
-    x = jax.device_put(np.asarray(rand(rng, (n, h))).astype(jnp.bfloat16))  # numpy rounds to nearest even, as XLA
+        p["router_scale"] = device_array([1.25], np.float32)
+    x = device_array(rand(rng, (n, h)), jnp.bfloat16)
 
     def route_and_kernel(p, x):  # one program
         logits = jnp.matmul(x.astype(jnp.float32), p["router"].astype(jnp.float32))
@@ -142,7 +142,7 @@ def test_matches_route(cfg, n, keys):
 
 def test_fallbacks_and_defaults():
     kw = dict(k=2, route_scale=8.0, num_experts=8)
-    zeros = lambda *shape: jax.device_put(np.zeros(shape, np.float32))  # noqa: E731 (jnp.zeros: a broadcast program)
+    zeros = lambda *shape: device_array(np.zeros(shape, np.float32))  # noqa: E731 (jnp.zeros: a broadcast program)
     idx, w, gamma = jax.jit(lambda lg: router.router_epilogue(lg, None, None, **kw, interpret=INTERPRET))(zeros(0, 10))
     assert idx.shape == (0, 2) and idx.dtype == jnp.int32 and w.shape == (0, 2) and gamma.shape == (0, 2)
     with pytest.raises(ValueError):
