@@ -7,7 +7,7 @@
 #     bash bench/gpu_session.sh OUT verify prefill moe      #  modes compares with check's outputs
 #     bash bench/gpu_session.sh OUT sweep                   #  in the same OUT)
 #
-# Done on an H100 (BENCHMARKS.md, 2026-12-07): spec (260 s) and check (378 s).
+# Done on an H100 (BENCHMARKS.md, 2026-12-07): every part but startup and autotune (2026-12-06).
 #
 # Parts:
 #   check    bench.check.gpu_check: Pallas == jnp greedy (small preset, fp32 / bf16) and the
@@ -28,8 +28,10 @@
 #            the steps compile by default, then under --xla_gpu_autotune_level=0 (cold compile cost
 #            against step time: the same decode and prefill cases side by side in `autotune`)
 #   autotune bench.serve.serve decode (B = 1, 32) and prefill (Pallas) without / with autotune level 0
-#   sweep    bench.kernels.kernels at batch 1 with the MoE gate|up tile sweep and the batch-1 projections'
-#            tile / split sweep (splits=1: no summing launch after the product)
+#   sweep    bench.kernels.kernels at batch 1 with the MoE gate|up tile sweep, then (sweep_proj, also a
+#            part of its own) the batch-1 projections' tile / split sweep (splits=1: no summing launch)
+#   flags    the decode section (B = 1, 32, K = 8) in a fresh process per XLA_FLAGS variant: $FLAG_VARIANTS
+#            (';'-separated) or the while-loop / copy-insertion knobs in LOOP_FLAGS
 # Every part's command is printed before it runs; a part that fails or times out is reported
 # and the next one runs. bench.serve.serve's compiles go to the persistent cache $GPU_SESSION_CACHE
 # (default /tmp/gpu_session_cache): later parts and calls on a warm machine reuse them.
@@ -40,6 +42,10 @@ shift
 mkdir -p "$OUT"
 cd "$(dirname "$0")/.."
 CACHE=${GPU_SESSION_CACHE:-/tmp/gpu_session_cache}
+# the flags part's default variants: XLA's knobs for the decode dispatch's while loop (K token
+# steps) and its copies, each against the inherited flags (the empty first variant)
+LOOP_FLAGS=";--xla_gpu_command_buffer_unroll_loops=true;--xla_gpu_copy_insertion_use_region_analysis=true"
+LOOP_FLAGS+=";--xla_gpu_enable_while_loop_double_buffering=true"
 
 run_part() {  # name, seconds, command...
     local name=$1 limit=$2
@@ -57,7 +63,7 @@ for part in "$@"; do
         check) run_part check 480 python -m bench.check.gpu_check --outputs-out "$OUT/check.json" ;;
         modes)
             XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_command_buffer_scheduling_mode=SERIALIZE" \
-                run_part modes 240 python -m bench.check.gpu_check --outputs-out "$OUT/check_serialize.json"
+                run_part modes 480 python -m bench.check.gpu_check --outputs-out "$OUT/check_serialize.json"
             if cmp "$OUT/check.json" "$OUT/check_serialize.json"; then
                 echo "== modes: outputs equal (CONCURRENT vs SERIALIZE)"
             else
@@ -90,7 +96,13 @@ for part in "$@"; do
             XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" run_part prefill_autotune0 240 \
                 python -m bench.serve.serve --sections prefill --prefill-kernels pallas --cache-dir "" \
                 --out "$OUT/prefill_autotune0.md" ;;
-        sweep) run_part sweep 400 python -m bench.kernels.kernels --batches 1 --moe-sweep --proj-sweep --out "$OUT/sweep.md" ;;
-        *) echo "unknown part $part (check modes decode verify prefill spec moe profile sweep startup autotune)"; exit 2 ;;
+        sweep)  # two parts: the MoE sweep alone outran one 400 s limit on an H100 (2026-12-07)
+            run_part sweep_moe 400 python -m bench.kernels.kernels --batches 1 --moe-sweep --out "$OUT/sweep_moe.md"
+            run_part sweep_proj 400 python -m bench.kernels.kernels --batches 1 --proj-sweep --out "$OUT/sweep_proj.md" ;;
+        sweep_proj) run_part sweep_proj 400 python -m bench.kernels.kernels --batches 1 --proj-sweep \
+            --out "$OUT/sweep_proj.md" ;;
+        flags) run_part flags 560 python -m bench.serve.serve --sections flags --flag-batches 1,32 --decode-steps 8 \
+            --cache-dir "" --flag-variants "${FLAG_VARIANTS:-$LOOP_FLAGS}" --out "$OUT/flags.md" ;;
+        *) echo "unknown part $part (check modes decode verify prefill spec moe profile sweep sweep_proj flags startup autotune)"; exit 2 ;;
     esac
 done
