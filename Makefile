@@ -22,7 +22,7 @@ run: $(STAMP)
 # bound by single-threaded XLA compiles, so 2 cores run the suite in ~2/3 of the time
 TEST_WORKERS ?= 2
 
-# ruff first: a lint finding fails in a second, before the 12-minute suite
+# ruff first: a lint finding fails in a second, before the 10-minute suite
 test: $(STAMP)
 	$(BIN)/ruff check .
 	JAX_PLATFORMS=cpu $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile

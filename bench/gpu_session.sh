@@ -32,6 +32,9 @@
 #            part of its own) the batch-1 projections' tile / split sweep (splits=1: no summing launch)
 #   flags    the decode section (B = 1, 32, K = 8) in a fresh process per XLA_FLAGS variant: $FLAG_VARIANTS
 #            (';'-separated) or the while-loop / copy-insertion knobs in LOOP_FLAGS
+#   warps2   decode (B = 1, 32) as the library is, then the GPU check and decode again in a copy of the
+#            tree whose grouped mat-vec kernel runs 2 warps (NUM_WARPS in pallas_kernels/moe/pallas.py);
+#            ~8 min, one device call
 # Every part's command is printed before it runs; a part that fails or times out is reported
 # and the next one runs. bench.serve.serve's compiles go to the persistent cache $GPU_SESSION_CACHE
 # (default /tmp/gpu_session_cache): later parts and calls on a warm machine reuse them.
@@ -40,6 +43,7 @@ set -uo pipefail
 OUT=${1:?usage: bench/gpu_session.sh OUT PART [PART ...]}
 shift
 mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)  # absolute: a part may run from a copy of the tree
 cd "$(dirname "$0")/.."
 CACHE=${GPU_SESSION_CACHE:-/tmp/gpu_session_cache}
 # the flags part's default variants: XLA's knobs for the decode dispatch's while loop (K token
@@ -103,6 +107,17 @@ for part in "$@"; do
             --out "$OUT/sweep_proj.md" ;;
         flags) run_part flags 560 python -m bench.serve.serve --sections flags --flag-batches 1,32 --decode-steps 8 \
             --cache-dir "" --flag-variants "${FLAG_VARIANTS:-$LOOP_FLAGS}" --out "$OUT/flags.md" ;;
-        *) echo "unknown part $part (check modes decode verify prefill spec moe profile sweep sweep_proj flags startup autotune)"; exit 2 ;;
+        warps2)  # the grouped mat-vec at 2 warps (BENCHMARKS.md, 2026-12-07: -3-4 % at B = 1 on an H200,
+            # outputs changed), checked and timed in a copy of the tree: adopt only if check passes
+            run_part warps4_decode 170 python -m bench.serve.serve --sections decode --decode-batches 1,32 \
+                --decode-steps 8 --cache-dir "" --out "$OUT/decode_warps4.md"
+            tree=/tmp/gpu_session_warps2
+            rm -rf "$tree" && mkdir -p "$tree" && cp -r bench inkling_jax pallas_kernels "$tree"/
+            sed -i 's/^NUM_WARPS = 4$/NUM_WARPS = 2/' "$tree/pallas_kernels/moe/pallas.py"
+            grep -q '^NUM_WARPS = 2$' "$tree/pallas_kernels/moe/pallas.py" || { echo "warps2: sed failed"; continue; }
+            (cd "$tree" && run_part warps2_check 420 python -m bench.check.gpu_check --outputs-out "$OUT/check_warps2.json" \
+                && run_part warps2_decode 170 python -m bench.serve.serve --sections decode --decode-batches 1,32 \
+                    --decode-steps 8 --cache-dir "" --out "$OUT/decode_warps2.md") ;;
+        *) echo "unknown part $part (check modes decode verify prefill spec moe profile sweep sweep_proj flags warps2 startup autotune)"; exit 2 ;;
     esac
 done
