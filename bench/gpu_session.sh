@@ -62,6 +62,11 @@ run_part() {  # name, seconds, command...
     tail -n 25 "$OUT/$name.log"
 }
 
+decode_part() {  # name, cache dir: bench.serve.serve decode at B = 1 and 32, K = 8, into $OUT/<name>.md
+    run_part "$1" 240 python -m bench.serve.serve --sections decode --decode-batches 1,32 --decode-steps 8 \
+        --cache-dir "$2" --out "$OUT/$1.md"
+}
+
 for part in "$@"; do
     case $part in
         check) run_part check 480 python -m bench.check.gpu_check --outputs-out "$OUT/check.json" ;;
@@ -73,8 +78,7 @@ for part in "$@"; do
             else
                 echo "== modes: OUTPUTS DIFFER (CONCURRENT vs SERIALIZE)"
             fi ;;
-        decode) run_part decode 240 python -m bench.serve.serve --sections decode --decode-batches 1,32 \
-            --decode-steps 8 --cache-dir "$CACHE" --out "$OUT/decode.md" ;;
+        decode) decode_part decode "$CACHE" ;;
         verify) run_part verify 300 python -m bench.serve.serve --sections verify --decode-batches 1,8 \
             --few-token-bounds 0.3333,0.5 --cache-dir "$CACHE" --out "$OUT/verify.md" ;;
         prefill) run_part prefill 300 python -m bench.serve.serve --sections prefill --prefill-kernels pallas,ragged \
@@ -102,22 +106,21 @@ for part in "$@"; do
                 --out "$OUT/prefill_autotune0.md" ;;
         sweep)  # two parts: the MoE sweep alone outran one 400 s limit on an H100 (2026-12-07)
             run_part sweep_moe 400 python -m bench.kernels.kernels --batches 1 --moe-sweep --out "$OUT/sweep_moe.md"
-            run_part sweep_proj 400 python -m bench.kernels.kernels --batches 1 --proj-sweep --out "$OUT/sweep_proj.md" ;;
+            ;&  # then sweep_proj
         sweep_proj) run_part sweep_proj 400 python -m bench.kernels.kernels --batches 1 --proj-sweep \
             --out "$OUT/sweep_proj.md" ;;
         flags) run_part flags 560 python -m bench.serve.serve --sections flags --flag-batches 1,32 --decode-steps 8 \
             --cache-dir "" --flag-variants "${FLAG_VARIANTS:-$LOOP_FLAGS}" --out "$OUT/flags.md" ;;
         warps2)  # the grouped mat-vec at 2 warps (BENCHMARKS.md, 2026-12-07: -3-4 % at B = 1 on an H200,
             # outputs changed), checked and timed in a copy of the tree: adopt only if check passes
-            run_part warps4_decode 170 python -m bench.serve.serve --sections decode --decode-batches 1,32 \
-                --decode-steps 8 --cache-dir "" --out "$OUT/decode_warps4.md"
+            decode_part decode_warps4 ""
             tree=/tmp/gpu_session_warps2
             rm -rf "$tree" && mkdir -p "$tree" && cp -r bench inkling_jax pallas_kernels "$tree"/
             sed -i 's/^NUM_WARPS = 4$/NUM_WARPS = 2/' "$tree/pallas_kernels/moe/pallas.py"
             grep -q '^NUM_WARPS = 2$' "$tree/pallas_kernels/moe/pallas.py" || { echo "warps2: sed failed"; continue; }
-            (cd "$tree" && run_part warps2_check 420 python -m bench.check.gpu_check --outputs-out "$OUT/check_warps2.json" \
-                && run_part warps2_decode 170 python -m bench.serve.serve --sections decode --decode-batches 1,32 \
-                    --decode-steps 8 --cache-dir "" --out "$OUT/decode_warps2.md") ;;
+            # the decode timing runs whatever the check says (its log says whether it passed)
+            (cd "$tree" && run_part warps2_check 420 python -m bench.check.gpu_check \
+                --outputs-out "$OUT/check_warps2.json"; decode_part decode_warps2 "") ;;
         *) echo "unknown part $part (check modes decode verify prefill spec moe profile sweep sweep_proj flags warps2 startup autotune)"; exit 2 ;;
     esac
 done

@@ -368,11 +368,11 @@ def compile_threads() -> int:
     return max(1, cc.env_int(THREADS_ENV, (os.cpu_count() or 1) // 2))
 
 
-_LOWERING = threading.Lock()  # the pool's jobs trace and lower one at a time
-# ... and in the order they were asked for: the pool's jobs, from their submission until they
-# are lowered, loaded from disk, taken by a caller or failed. Without the order the threads
-# race for the lock, and on 2 cores make run's decode step was lowered and compiled before
-# the extend step its first token needs in 3 of 4 cold runs (first token ~16 s, not ~11 s).
+# The pool's jobs trace and lower one at a time, in the order they were asked for: a job is
+# queued from its submission until it is lowered, loaded from disk, taken by a caller or
+# failed, and lowers only at the head. (A plain lock let the threads race: on 2 cores make
+# run's decode step was lowered and compiled before the extend step its first token needs in
+# 3 of 4 cold runs, first token ~16 s instead of ~11 s.)
 _LOWER_QUEUE: collections.deque = collections.deque()
 _LOWER_TURN = threading.Condition()
 _COMPILE_SLOTS: threading.Semaphore | None = None
@@ -465,15 +465,15 @@ class _Job:
         try:
             if self.pooled:
                 self.await_lowering_turn()
-            with _LOWERING if self.pooled else contextlib.nullcontext():
-                t0 = time.perf_counter()
-                self.lowered = self.make().lower(*self.args)
-                _count(lower_seconds=time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            self.lowered = self.make().lower(*self.args)
+            _count(lower_seconds=time.perf_counter() - t0)
         finally:
             self.leave_lowering_queue()
 
     def await_lowering_turn(self) -> None:
-        """Wait until every pool job asked for before this one is past its lowering."""
+        """Wait until every pool job asked for before this one is past its lowering (the head
+        of the queue holds the turn until it leaves: one lowering at a time)."""
         with _LOWER_TURN:
             while self in _LOWER_QUEUE and _LOWER_QUEUE[0] is not self:
                 _LOWER_TURN.wait()

@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 import warnings
 import weakref
 
@@ -196,16 +197,14 @@ def test_a_program_needed_now_is_taken_out_of_the_queue():
 
 def test_the_pool_lowers_in_the_order_asked_for(monkeypatch):
     """Background jobs lower (and so compile) in the order they were asked for, whatever the
-    pool's threads do first: here the first job's disk lookup is slow, so without the order its
-    thread would take the lowering lock after the second job's. (Regression: make run's warm-up
-    asks for the extend step, then decode; on 2 cores decode was lowered and compiled first in 3
-    of 4 cold runs, and the first token waited for both compiles.)"""
+    pool's threads do first: here the first job's disk lookup is slow, so without the order the
+    second job's thread would lower first; a job whose make() fails hands the turn on.
+    (Regression: make run's warm-up asks for the extend step, then decode; on 2 cores decode was
+    lowered and compiled first in 3 of 4 cold runs, and the first token waited for both compiles.)"""
     real_load = programs._Job.load
 
     def load(job):
         if job.key.startswith("kind test_order_0"):
-            import time
-
             time.sleep(0.3)
         return real_load(job)
 
@@ -215,12 +214,16 @@ def test_the_pool_lowers_in_the_order_asked_for(monkeypatch):
     def maker(i):
         def make():
             lowered.append(i)
+            if i == 1:
+                raise RuntimeError("make failed")
             return jax.jit(lambda x: x + i)
         return make
 
     x = np.zeros(2, np.float32)
     futures = [programs.request(f"test_order_{i}", {}, maker(i), (x,), cache=None, background=True) for i in range(3)]
-    assert [float(f.result(timeout=60)(x)[0]) for f in futures] == [0.0, 1.0, 2.0]
+    with pytest.raises(RuntimeError, match="make failed"):
+        futures[1].result(timeout=60)
+    assert [float(futures[i].result(timeout=60)(x)[0]) for i in (0, 2)] == [0.0, 2.0]
     assert lowered == [0, 1, 2]
 
 
