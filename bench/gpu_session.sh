@@ -32,9 +32,11 @@
 #            part of its own) the batch-1 projections' tile / split sweep (splits=1: no summing launch)
 #   flags    the decode section (B = 1, 32, K = 8) in a fresh process per XLA_FLAGS variant: $FLAG_VARIANTS
 #            (';'-separated) or the while-loop / copy-insertion knobs in LOOP_FLAGS
-#   warps2   decode (B = 1, 32) as the library is, then the GPU check and decode again in a copy of the
-#            tree whose grouped mat-vec kernel runs 2 warps (NUM_WARPS in pallas_kernels/moe/pallas.py);
-#            ~8 min, one device call
+#   matvec_tiles  bench.kernels.matvec_tiles: the grouped mat-vec's tiles / warps / splits on the batch-1
+#            expert products against the same-size copy, then the engine's joined expert call per tiling
+#   tiles    decode (B = 1, 32) as the library is, then the GPU check and decode again in a copy of the
+#            tree whose grouped mat-vec module constants are $MATVEC_TILES (e.g. "NUM_WARPS=2 TF=256",
+#            pallas_kernels/moe/pallas.py); ~8 min, one device call
 # Every part's command is printed before it runs; a part that fails or times out is reported
 # and the next one runs. bench.serve.serve's compiles go to the persistent cache $GPU_SESSION_CACHE
 # (default /tmp/gpu_session_cache): later parts and calls on a warm machine reuse them.
@@ -111,16 +113,23 @@ for part in "$@"; do
             --out "$OUT/sweep_proj.md" ;;
         flags) run_part flags 560 python -m bench.serve.serve --sections flags --flag-batches 1,32 --decode-steps 8 \
             --cache-dir "" --flag-variants "${FLAG_VARIANTS:-$LOOP_FLAGS}" --out "$OUT/flags.md" ;;
-        warps2)  # the grouped mat-vec at 2 warps (BENCHMARKS.md, 2026-12-07: -3-4 % at B = 1 on an H200,
-            # outputs changed), checked and timed in a copy of the tree: adopt only if check passes
-            decode_part decode_warps4 ""
-            tree=/tmp/gpu_session_warps2
+        matvec_tiles) run_part matvec_tiles 480 python -m bench.kernels.matvec_tiles --budget 400 \
+            --out "$OUT/matvec_tiles.md" ;;
+        tiles)  # the grouped mat-vec's module defaults set to $MATVEC_TILES (e.g. "NUM_WARPS=2 TF=256"),
+            # checked and timed in a copy of the tree against decode as the library is: adopt only if
+            # the check passes (a new tiling sums the fp32 products in another order)
+            decode_part decode_library ""
+            tree=/tmp/gpu_session_tiles
             rm -rf "$tree" && mkdir -p "$tree" && cp -r bench inkling_jax pallas_kernels "$tree"/
-            sed -i 's/^NUM_WARPS = 4$/NUM_WARPS = 2/' "$tree/pallas_kernels/moe/pallas.py"
-            grep -q '^NUM_WARPS = 2$' "$tree/pallas_kernels/moe/pallas.py" || { echo "warps2: sed failed"; continue; }
+            ok=1
+            for kv in ${MATVEC_TILES:?tiles needs MATVEC_TILES, e.g. NUM_WARPS=2}; do
+                sed -i "s/^${kv%%=*} = [0-9]*/${kv%%=*} = ${kv#*=}/" "$tree/pallas_kernels/moe/pallas.py"
+                grep -q "^${kv%%=*} = ${kv#*=}\b" "$tree/pallas_kernels/moe/pallas.py" || { echo "tiles: sed $kv failed"; ok=0; }
+            done
+            [ $ok = 1 ] || continue
             # the decode timing runs whatever the check says (its log says whether it passed)
-            (cd "$tree" && run_part warps2_check 420 python -m bench.check.gpu_check \
-                --outputs-out "$OUT/check_warps2.json"; decode_part decode_warps2 "") ;;
-        *) echo "unknown part $part (check modes decode verify prefill spec moe profile sweep sweep_proj flags warps2 startup autotune)"; exit 2 ;;
+            (cd "$tree" && run_part tiles_check 420 python -m bench.check.gpu_check \
+                --outputs-out "$OUT/check_tiles.json"; decode_part decode_tiles "") ;;
+        *) echo "unknown part $part (check modes decode verify prefill spec moe profile sweep sweep_proj flags tiles matvec_tiles startup autotune)"; exit 2 ;;
     esac
 done

@@ -142,7 +142,8 @@ def grid_for(m: int, h: int, f: int, *, tf: int = TF, bh: int = BH, splits: int 
 
 
 def _partials(x, idx, w, tf: int, bh: int, s: int, num_warps: int, interpret: bool, x_repeat: int = 1,
-              w_extra=None, group: int = 1, act_dtype=None, mult=None) -> Array:
+              w_extra=None, group: int = 1, act_dtype=None, mult=None, num_stages: int = 1,
+              max_unroll: int = MAX_UNROLL) -> Array:
     """part[i, s, :] = x[i // x_repeat, chunk s] @ W_i[chunk s], fp32 [m, S, F].
 
     Without w_extra: m = len(idx) and W_i = w[clip(idx[i], 0, E - 1)]. With w_extra [S', h, F]:
@@ -193,7 +194,7 @@ def _partials(x, idx, w, tf: int, bh: int, s: int, num_warps: int, interpret: bo
                 return acc + xb[:, None] * wb.astype(jnp.float32)
 
             acc = jnp.zeros((bh, tf), jnp.float32)
-            if nb <= MAX_UNROLL:
+            if nb <= max_unroll:
                 for b in range(nb):
                     acc = block(b, acc)
             else:
@@ -219,12 +220,14 @@ def _partials(x, idx, w, tf: int, bh: int, s: int, num_warps: int, interpret: bo
 
     extra = (() if w_extra is None else (w_extra,)) + (() if mult is None else (mult.astype(jnp.float32),))
     return pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((m, s, f), jnp.float32), grid=(m, f // tf, s),
-                       aliases={}, interpret=interpret, num_warps=num_warps, name="moe_grouped_matvec")(
+                       aliases={}, interpret=interpret, num_warps=num_warps, num_stages=num_stages,
+                       name="moe_grouped_matvec")(
         idx.astype(jnp.int32), x, w, *extra)
 
 
 def _grouped_matvec_fwd(x, idx, w, *, x_repeat: int = 1, tf: int, bh: int, splits: int | None, num_warps: int,
-                        target_programs: int, interpret: bool) -> Array:
+                        target_programs: int, interpret: bool, num_stages: int = 1,
+                        max_unroll: int = MAX_UNROLL) -> Array:
     """grouped_matvec without its custom VJP: the kernel, or the reference where the shapes need it."""
     if (x.ndim != 2 or w.ndim != 3 or idx.ndim != 1 or x_repeat < 1 or idx.shape[0] != x.shape[0] * x_repeat
             or w.shape[1] != x.shape[1]):
@@ -234,22 +237,25 @@ def _grouped_matvec_fwd(x, idx, w, *, x_repeat: int = 1, tf: int, bh: int, split
     if plan is None:
         return ref.grouped_matvec(x, idx, w, x_repeat)
     tf_, bh_, s = plan
-    part = _partials(x, idx, w, tf_, bh_, s, num_warps, interpret, x_repeat)
+    part = _partials(x, idx, w, tf_, bh_, s, num_warps, interpret, x_repeat, num_stages=num_stages,
+                     max_unroll=max_unroll)
     return part[:, 0] if s == 1 else jnp.sum(part, axis=1)
 
 
 def grouped_matvec(x: Float[Array, "mx h"], idx: Int[Array, " m"], w: Float[Array, "E h F"], *, x_repeat: int = 1,
                    tf: int = TF, bh: int = BH, splits: int | None = None, num_warps: int = NUM_WARPS,
-                   target_programs: int = TARGET_PROGRAMS, interpret: bool = False) -> Float[Array, "m F"]:
+                   target_programs: int = TARGET_PROGRAMS, interpret: bool = False, num_stages: int = 1,
+                   max_unroll: int = MAX_UNROLL) -> Float[Array, "m F"]:
     """y[i] = x[i // x_repeat] @ w[clip(idx[i], 0, E - 1)].astype(x.dtype), accumulated and
     returned in fp32 (m = x_repeat * mx rows: x_repeat > 1 reads each row of x for x_repeat
     consecutive rows of y in place, instead of a `jnp.repeat` copy).
 
     tf / bh: column tile and row block (powers of two, shrunk to divide F / h); splits: the
     number S of contracting chunks (default: the smallest power of two reaching
-    `target_programs` programs). See the module docstring."""
+    `target_programs` programs); max_unroll: blocks per program unrolled in Python (a fori_loop
+    past it, software-pipelined by Triton over num_stages). See the module docstring."""
     kw = dict(x_repeat=x_repeat, tf=tf, bh=bh, splits=splits, num_warps=num_warps, target_programs=target_programs,
-              interpret=interpret)
+              interpret=interpret, num_stages=num_stages, max_unroll=max_unroll)
     kernel_fn = lambda x, idx, w: _grouped_matvec_fwd(x, idx, w, **kw)
     return with_ref_vjp(kernel_fn, lambda x, idx, w: ref.grouped_matvec(x, idx, w, x_repeat))(x, idx, w)
 
