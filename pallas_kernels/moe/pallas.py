@@ -31,7 +31,7 @@ register tile; one reduction over its rows at the end gives the partial sums it 
 part[i, s, cols] (fp32 [m, S, F]). The wrapper sums part over S in fp32 (jnp; XLA can
 fuse it with the activation that follows). S is the smallest power of two giving
 m * (F / tf) * S >= 512 programs (132 SMs, a few programs each), at most h / bh. With the
-defaults (tf=128, bh=64, num_warps=4):
+defaults (tf=128, bh=64, num_warps=2):
 
     m=4, h=2048, F=2048 (bench w13): grid (4, 16, 8) = 512 programs, 256 rows each, 4 blocks
     m=4, h=1024, F=2048 (bench w2):  grid (4, 16, 8) = 512 programs, 128 rows each, 2 blocks
@@ -106,7 +106,8 @@ from . import ref
 
 TF = 128  # output columns per program
 BH = 64  # contracting rows per block of the loop
-NUM_WARPS = 4
+NUM_WARPS = 2  # 2 against 4: batch-1 decode in the engine loop 2.2 % faster on an H100 (1.277 / 1.280 against
+# 1.309 / 1.305 ms per token step, alternating runs) and 3-4 % on an H200 (BENCHMARKS.md, 2026-12-07)
 TARGET_PROGRAMS = 512  # ~4 programs per SM on an H100 / H200 (132 SMs)
 MIN_TILE = 16  # tf' or bh' below this: the reference
 MAX_UNROLL = 8  # blocks per program unrolled in Python; a fori_loop past this
