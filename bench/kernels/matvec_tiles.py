@@ -19,7 +19,7 @@ op, F >= h here. Stages:
     C  `moe_experts_with_shared` (the engine's joined routed + shared call, both products, the
        act prologue, the combine) at the library's defaults and the best tilings of B
 
-The run stops adding variants when `--budget` seconds have passed and prints what it has (on an
+Stages A / B stop adding variants at 55 / 80 % of `--budget` seconds, C at all of it and prints what it has (on an
 H100 a variant took ~15 s, most of it the profiler's trace: the untried wide tiles come first).
 """
 
@@ -106,8 +106,8 @@ def main(argv=None) -> None:
         print(" | ".join(str(c) for c in rows[-1]), f"[{time.perf_counter() - T0:.0f}s]", flush=True)
         return t
 
-    def out_of_time() -> bool:
-        return time.perf_counter() - T0 > args.budget
+    def out_of_time(share: float = 1.0) -> bool:  # stages A / B / C end at 55 / 80 / 100 % of the budget
+        return time.perf_counter() - T0 > share * args.budget
 
     tfs, bhs, warps_ = ((32, 64), (16, 32), (2, 4)) if args.smoke else ((256, 512, 128, 64), (32, 64, 16),
                                                                       (2, 4, 8, 1))
@@ -116,7 +116,7 @@ def main(argv=None) -> None:
     for tf in tfs:
         for bh in bhs:
             for wp in warps_:
-                if out_of_time():
+                if out_of_time(0.55):
                     break
                 if (tf, bh, wp) != (moe_pallas.TF, moe_pallas.BH, moe_pallas.NUM_WARPS):
                     run("A", "gate|up", tf, bh, wp)
@@ -124,17 +124,17 @@ def main(argv=None) -> None:
     best = [key_[1:4] for _, key_ in a[:4]]
     # B: the best tiles on down, with other split counts, and as a pipelined fori_loop
     for tf, bh, wp in [(moe_pallas.TF, moe_pallas.BH, moe_pallas.NUM_WARPS)] + best:
-        if not out_of_time():
+        if not out_of_time(0.8):
             run("B", "down", tf, bh, wp)
     for tf, bh, wp in best[:2]:
         for name in data:
             h, f = data[name][:2]
             auto = moe_pallas.grid_for(m, h, f, tf=tf, bh=bh)[2]
             for sp in (auto // 4, auto // 2, auto * 2, auto * 4):
-                if sp >= 1 and not out_of_time():
+                if sp >= 1 and not out_of_time(0.8):
                     run("B", name, tf, bh, wp, splits=sp)
             for st in (2, 3):
-                if not out_of_time():
+                if not out_of_time(0.8):
                     run("B", name, tf, bh, wp, stages=st, unroll=0)
     header = ["stage", "product", "tf", "bh", "warps", "splits", "stages", "device us", "GB/s", "vs copy", "check"]
     text = [f"# grouped mat-vec tiles at batch 1 ({jax.devices()[0].device_kind})", "",
