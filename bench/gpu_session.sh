@@ -35,7 +35,8 @@
 #   matvec_tiles  bench.kernels.matvec_tiles: the grouped mat-vec's tiles / warps / splits on the batch-1
 #            expert products against the same-size copy, then the engine's joined expert call per tiling
 #   tiles    decode (B = 1, 32) as the library is, then the GPU check and decode again in a copy of the
-#            tree whose grouped mat-vec module constants are $MATVEC_TILES (e.g. "NUM_WARPS=2 TF=256",
+#            tree whose grouped mat-vec module constants are $MATVEC_TILES (e.g. "TF=256 BH=32", or
+#            "MAX_UNROLL=0 NUM_STAGES=3" for the pipelined loop;
 #            pallas_kernels/moe/pallas.py); ~8 min, one device call
 # Every part's command is printed before it runs; a part that fails or times out is reported
 # and the next one runs. bench.serve.serve's compiles go to the persistent cache $GPU_SESSION_CACHE

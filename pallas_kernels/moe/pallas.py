@@ -111,6 +111,7 @@ NUM_WARPS = 2  # 2 against 4: batch-1 decode in the engine loop 2.2 % faster on 
 TARGET_PROGRAMS = 512  # ~4 programs per SM on an H100 / H200 (132 SMs)
 MIN_TILE = 16  # tf' or bh' below this: the reference
 MAX_UNROLL = 8  # blocks per program unrolled in Python; a fori_loop past this
+NUM_STAGES = 1  # Triton's software pipelining of that fori_loop (1: none)
 
 
 def _plan(m: int, h: int, f: int, tf: int, bh: int, splits: int | None,
@@ -143,7 +144,7 @@ def grid_for(m: int, h: int, f: int, *, tf: int = TF, bh: int = BH, splits: int 
 
 
 def _partials(x, idx, w, tf: int, bh: int, s: int, num_warps: int, interpret: bool, x_repeat: int = 1,
-              w_extra=None, group: int = 1, act_dtype=None, mult=None, num_stages: int = 1,
+              w_extra=None, group: int = 1, act_dtype=None, mult=None, num_stages: int = NUM_STAGES,
               max_unroll: int = MAX_UNROLL) -> Array:
     """part[i, s, :] = x[i // x_repeat, chunk s] @ W_i[chunk s], fp32 [m, S, F].
 
@@ -227,7 +228,7 @@ def _partials(x, idx, w, tf: int, bh: int, s: int, num_warps: int, interpret: bo
 
 
 def _grouped_matvec_fwd(x, idx, w, *, x_repeat: int = 1, tf: int, bh: int, splits: int | None, num_warps: int,
-                        target_programs: int, interpret: bool, num_stages: int = 1,
+                        target_programs: int, interpret: bool, num_stages: int = NUM_STAGES,
                         max_unroll: int = MAX_UNROLL) -> Array:
     """grouped_matvec without its custom VJP: the kernel, or the reference where the shapes need it."""
     if (x.ndim != 2 or w.ndim != 3 or idx.ndim != 1 or x_repeat < 1 or idx.shape[0] != x.shape[0] * x_repeat
@@ -245,7 +246,7 @@ def _grouped_matvec_fwd(x, idx, w, *, x_repeat: int = 1, tf: int, bh: int, split
 
 def grouped_matvec(x: Float[Array, "mx h"], idx: Int[Array, " m"], w: Float[Array, "E h F"], *, x_repeat: int = 1,
                    tf: int = TF, bh: int = BH, splits: int | None = None, num_warps: int = NUM_WARPS,
-                   target_programs: int = TARGET_PROGRAMS, interpret: bool = False, num_stages: int = 1,
+                   target_programs: int = TARGET_PROGRAMS, interpret: bool = False, num_stages: int = NUM_STAGES,
                    max_unroll: int = MAX_UNROLL) -> Float[Array, "m F"]:
     """y[i] = x[i // x_repeat] @ w[clip(idx[i], 0, E - 1)].astype(x.dtype), accumulated and
     returned in fp32 (m = x_repeat * mx rows: x_repeat > 1 reads each row of x for x_repeat
