@@ -110,9 +110,13 @@ TRUNK = TWO_LAYER.replace(num_mtp_layers=0, mtp_local_layer_ids=())
 
 # One pool geometry shared by most engine tests (compiled steps are cached process-wide by
 # shape): tiny pages and a short checkpoint interval so windows, rel_extent, pages and
-# checkpoints are all crossed by short sequences.
+# checkpoints are all crossed by short sequences. One arena size for them all (arena_units):
+# a test that narrows the pool (num_slots / num_pages: a smaller budget, more eviction) still
+# runs the same compiled steps, and every engine test runs its budget inside a larger arena
+# (the pool's budget tests: test_pool.py). 1024 units hold the two-layer models' pools up to
+# spec_steps 3 at 16 slots and 64 pages (688 units); a larger pool sets arena_units=None.
 ENGINE_KW = dict(max_running=2, num_slots=16, num_pages=64, page_size=4, track_interval=8, chunk_size=8,
-                 max_step_tokens=16, min_context_bucket=64, min_batch_bucket=2)
+                 max_step_tokens=16, min_context_bucket=64, min_batch_bucket=2, arena_units=1024)
 
 
 def echo_model(cfg: ik.InklingConfig, params, unembed_scale: float = 1.0):

@@ -34,8 +34,9 @@ from conftest import (ENGINE_KW, TWO_LAYER, assert_same_completions, count_xla_c
 # 264: it splits over tp 2 and ep 4 without repeated kv heads.
 CFG = TWO_LAYER
 # ENGINE_KW's pool; max_context 64 keeps one page bucket, so an engine compiles two steps
-# (extend + decode, or extend + verify), shared by every engine of the same mesh.
-KW = dict(ENGINE_KW, max_context=64)
+# (extend + decode, or extend + verify), shared by every engine of the same mesh. The arena is
+# the pool's own size (arena_units None): ARENA_BYTES below checks the per-device accounting.
+KW = dict(ENGINE_KW, max_context=64, arena_units=None)
 MESHES = [(2, 4)]  # tp x ep (tp or ep alone: test_mesh.py's forward parity, the one-device mesh below)
 GREEDY = ik.SamplingParams(max_new_tokens=10, stop_at_eos=False)
 _rng = np.random.RandomState(7)

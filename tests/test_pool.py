@@ -138,3 +138,102 @@ def test_unified_boundary_follows_the_workload():
             assert len(pages) == (pool.num_units - SLOT_UNITS) // PAGE_UNITS - 1  # 19 pages
         else:
             assert (len(slots), len(pages)) == (6, 10)
+
+
+@settings(max_examples=60, deadline=None)
+@given(unified=st.booleans(), lazy=st.booleans(), extra=st.integers(1, 40),
+       # allocations three times as likely as frees: the schedules reach exhaustion, where the budget decides
+       ops=st.lists(st.tuples(st.sampled_from(["alloc_slot"] * 3 + ["alloc_page"] * 3 + ["free_slot", "free_page",
+                                                                                       "compact"]),
+                              st.integers(0, 1000)), max_size=60))
+def test_a_budget_in_a_larger_arena_decides_as_an_arena_of_its_size(unified, lazy, extra, ops):
+    """EngineConfig.arena_units: a pool whose budget is B units inside an arena of B + extra
+    makes every decision an arena of exactly B makes (the same virtual ids and physical
+    indices, the same exhaustion, free counts and capacities, as many rows moved; pages sit
+    `extra` rows higher, placed from the arena's last row down), and keeps every object's
+    contents through its moves (a simulated arena of its own size)."""
+    exact = make_pool(unified, lazy)
+    budget = exact.num_units
+    wide = UnitPool(budget + extra, SLOT_UNITS, PAGE_UNITS, unified=unified, lazy=lazy, num_slots=6, num_pages=10,
+                    budget_units=budget)
+    arena = SimArena(wide)
+    live = {"slot": {}, "page": {}}
+    label = 0
+
+    def same_view():
+        for kind in ("slot", "page"):
+            assert wide.free_count(kind) == exact.free_count(kind) and wide.capacity(kind) == exact.capacity(kind)
+            assert wide.live_count(kind) == exact.live_count(kind)
+        assert wide.free_units() == exact.free_units()
+        assert [wide.can_alloc(s, p) for s, p in ((1, 0), (0, 1), (2, 3))] == \
+            [exact.can_alloc(s, p) for s, p in ((1, 0), (0, 1), (2, 3))]
+
+    def moves_agree():
+        """As many rows moved; where they went: every object's physical index below, its
+        contents in the simulated arena."""
+        assert len(wide.pending_moves()[0]) == len(exact.pending_moves()[0])
+        arena.sync()
+        exact.ack_moves()
+
+    for op, pick in ops:
+        if op == "compact":
+            wide.compact()
+            exact.compact()
+        elif op.startswith("alloc"):
+            kind = op[6:]
+            outcome = []
+            for pool in (wide, exact):
+                try:
+                    outcome.append(pool.alloc_slot() if kind == "slot" else pool.alloc_page())
+                except PoolExhausted:
+                    outcome.append(None)
+            assert outcome[0] == outcome[1], f"{kind}: {outcome}"
+            moves_agree()
+            if outcome[0] is None:
+                continue
+            label += 1
+            arena.write(kind, outcome[0], label)
+            live[kind][outcome[0]] = label
+        else:
+            kind = op[5:]
+            if not live[kind]:
+                continue
+            v = sorted(live[kind])[pick % len(live[kind])]
+            for pool in (wide, exact):
+                (pool.free_slot if kind == "slot" else pool.free_page)(v)
+            del live[kind][v]
+        moves_agree()
+        wide.check()
+        exact.check()
+        same_view()
+        for kind in live:
+            for v, lab in live[kind].items():
+                assert arena.read(kind, v) == {lab}, f"{kind} {v} lost its contents"
+                k_w, k_e = (wide.slots, exact.slots) if kind == "slot" else (wide.pages, exact.pages)
+                assert k_w.v2p[v] == k_e.v2p[v]  # the same physical index (rows: see moves_agree)
+
+
+def test_budget_is_checked():
+    with pytest.raises(ValueError, match="budget of 50 units exceeds the arena's 40"):
+        UnitPool(40, SLOT_UNITS, PAGE_UNITS, unified=True, lazy=False, num_slots=2, num_pages=2, budget_units=50)
+    with pytest.raises(ValueError, match="arena too small"):
+        UnitPool(400, SLOT_UNITS, PAGE_UNITS, unified=True, lazy=False, num_slots=6, num_pages=10, budget_units=30)
+
+
+@pytest.mark.parametrize("lazy", [False, True])
+def test_a_budget_fills_as_an_arena_of_its_size(lazy):
+    """Slots, then pages, until each pool refuses: the budget, not the larger arena, says when."""
+    exact = make_pool(lazy=lazy)
+    wide = UnitPool(exact.num_units + 17, SLOT_UNITS, PAGE_UNITS, unified=True, lazy=lazy, num_slots=6,
+                    num_pages=10, budget_units=exact.num_units)
+    counts = []
+    for pool in (wide, exact):
+        slots = [pool.alloc_slot() for _ in range(10)]  # 11 slots of 3 units with the sink, 2 for the page sink
+        pages = 0
+        with pytest.raises(PoolExhausted):
+            while True:
+                pool.alloc_page()
+                pages += 1
+        pool.check()
+        counts.append((len(slots), pages, pool.free_units(), pool.can_alloc(1, 0)))
+    assert counts[0] == counts[1] == (10, 4, 0, False)  # 43 units: 33 + 2 + 4 pages of 2

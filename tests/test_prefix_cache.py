@@ -330,7 +330,7 @@ def test_unified_holds_what_no_static_split_can(trunk_params):
         return len(engine.running) == len(prompts)
 
     unified = make_engine(trunk_params, pool="unified", **kw)
-    budget = unified.pool.num_units
+    budget = unified.pool.budget_units
     assert holds(unified, short, sp_short)
     unified = make_engine(trunk_params, pool="unified", **kw)
     assert holds(unified, long, sp_long)
@@ -342,7 +342,7 @@ def test_unified_holds_what_no_static_split_can(trunk_params):
             continue
         a = make_engine(trunk_params, pool="static", num_slots=s, num_pages=p, **kw)
         b = make_engine(trunk_params, pool="static", num_slots=s, num_pages=p, **kw)
-        assert a.pool.num_units <= budget
+        assert a.pool.budget_units <= budget
         assert not (holds(a, short, sp_short) and holds(b, long, sp_long)), f"static split {s} slots / {p} pages"
 
 

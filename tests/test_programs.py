@@ -25,7 +25,7 @@ from inkling_jax import cli, programs
 from inkling_jax.compile_cache import EXECUTABLE_CACHE_ENV, ExecutableCacheWarning, ExecutableStore
 
 import cpu_flags
-from conftest import TRUNK, count_xla_compiles, make_engine
+from conftest import TRUNK, assert_same_completions, count_xla_compiles, make_engine
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPTS = [[1, 2, 3, 4, 5], [9, 8, 7]]
@@ -81,7 +81,7 @@ def test_dropped_engines_free_their_programs(small_params):
     gc.disable()  # a reference cycle would keep the engine until a collection: none allowed
     try:
         for i in range(6):
-            engine = small_engine(small_params, num_pages=40 + 8 * i, executable_cache=None)
+            engine = small_engine(small_params, num_pages=40 + 8 * i, arena_units=None, executable_cache=None)
             engine.generate(PROMPTS, one_token)
             alive, arena = weakref.ref(engine), weakref.ref(engine.runner.state.arena)
             peak = max(peak, mappings())
@@ -114,6 +114,36 @@ def test_dropped_engines_programs_serve_the_next_until_evicted(small_params, mon
         got = tokens(small_engine(small_params, **kw).generate(PROMPTS, SAMPLING))
     assert compiles[0] > 2 and got == want
     assert len(programs.TABLE) == 2
+
+
+def test_engines_of_one_arena_size_share_steps_whatever_their_budgets(small_params):
+    """EngineConfig.arena_units: an engine whose slot / page budget is smaller than another's
+    but whose arena has the same size runs that engine's compiled steps (none waited for, XLA
+    compiles only for compaction copies of counts the first never made) and gives exactly what
+    an engine whose arena is its budget gives: tokens, log-probs, cache hits, evictions and moves
+    under pressure. An arena smaller than the budget, or not an int, is refused by name."""
+    rng = np.random.RandomState(3)
+    shared = list(rng.randint(3, 256, 17))
+    work = [shared + list(rng.randint(3, 256, n)) for n in (9, 14, 5, 11)] + \
+        [list(rng.randint(3, 256, n)) for n in (30, 26, 21)] + [shared + [7, 7]]
+    sp = ik.SamplingParams(max_new_tokens=4, stop_at_eos=False)
+    kw = dict(arena_units=400, executable_cache=None)
+    small_engine(small_params, num_slots=16, num_pages=64, **kw).generate(work, sp)
+    tight = small_engine(small_params, num_slots=10, num_pages=40, **kw)  # a 151-unit budget
+    got = tight.generate(work, sp)
+    assert tight.stats()["compile_seconds"] == 0  # every step from the first engine's
+    exact = small_engine(small_params, num_slots=10, num_pages=40, arena_units=None, executable_cache=None)
+    assert exact.state.arena.shape[0] == 151 and tight.state.arena.shape[0] == 400
+    assert_same_completions(got, exact.generate(work, sp))
+    keys = ("evicted_slots", "evicted_pages", "compaction_moves", "skipped_checkpoints", "cache_hit_tokens")
+    assert [tight.stats()[k] for k in keys] == [exact.stats()[k] for k in keys]
+    assert tight.stats()["evicted_slots"] > 0 and tight.stats()["cache_hit_tokens"] > 0  # the budget pressed
+    tight.check_invariants()
+    with pytest.raises(ValueError, match=r"arena_units=100 is smaller than the 235 units that num_slots=16 and "
+                                         r"num_pages=64 need"):
+        small_engine(small_params, num_slots=16, num_pages=64, arena_units=100)
+    with pytest.raises(ValueError, match="arena_units must be None or an int >= 1"):
+        ik.EngineConfig(arena_units=0)
 
 
 def test_count_table_writes_come_from_the_table(small_params):

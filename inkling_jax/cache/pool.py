@@ -49,7 +49,7 @@ class _Kind:
     name: str
     units: int  # units per object
     max_virtual: int
-    v2p: np.ndarray  # [max_virtual + 1] int32; 0 = not allocated (translates to the sink)
+    v2p: np.ndarray  # [ids the arena could hold + 1] int32 (>= max_virtual + 1); 0 = not allocated (the sink)
     p2v: dict[int, int]  # physical index -> virtual id of live objects
     free_virtual: list[int]  # sorted descending (pop() gives the smallest id)
     top: int  # highest physical index in use or reserved as a hole (0 = none)
@@ -62,20 +62,36 @@ class _Kind:
 
 
 class UnitPool:
+    """The allocator of one arena of `num_units` unit rows (see the module docstring).
+
+    budget_units (default num_units): the most units the unified pool's slots and pages may
+    occupy together, sinks included; the arena may be larger (EngineConfig.arena_units). Every
+    decision (room, compaction, exhaustion) is then exactly that of a pool of budget_units
+    units: slots still grow from row 0 and pages from the arena's last row, with the unused rows
+    between them. Only the arena's size sets the device tables' shapes, so engines of one arena
+    size share compiled steps whatever their budgets."""
+
     def __init__(self, num_units: int, slot_units: int, page_units: int, *, unified: bool, lazy: bool,
-                 num_slots: int, num_pages: int):
-        if unified and arena_units(slot_units, page_units, num_slots, num_pages) > num_units:
+                 num_slots: int, num_pages: int, budget_units: int | None = None):
+        budget = num_units if budget_units is None else budget_units
+        if budget > num_units:
+            raise ValueError(f"budget of {budget} units exceeds the arena's {num_units}")
+        if unified and arena_units(slot_units, page_units, num_slots, num_pages) > budget:
             raise ValueError("arena too small for the requested slots and pages")
         self.num_units = num_units
+        self.budget_units = budget
         self.unified = unified
         self.lazy = lazy
         # Virtual id spaces: as many objects as the arena could hold of each kind. The static
         # pool hands out only its split's ids but keeps tables of the same size, so both pools
-        # of one arena have the same state shapes (and share compiled steps).
+        # of one arena have the same state shapes (and share compiled steps); so does a unified
+        # pool whose budget is smaller than its arena (ids past what the budget holds are
+        # never handed out).
         table_slots = (num_units - page_units) // slot_units - 1
         table_pages = (num_units - slot_units) // page_units - 1
         if unified:
-            max_slots, max_pages = table_slots, table_pages
+            max_slots = (budget - page_units) // slot_units - 1
+            max_pages = (budget - slot_units) // page_units - 1
             cap_s = cap_p = None
         else:
             max_slots, max_pages = num_slots, num_pages
@@ -112,7 +128,7 @@ class UnitPool:
     def free_units(self) -> int:
         """Units available to new objects (holes included)."""
         holes = len(self.slots.holes) * self.slots.units + len(self.pages.holes) * self.pages.units
-        return self.num_units - self._units_used() + holes
+        return self.budget_units - self._units_used() + holes
 
     def can_alloc(self, slots: int, pages: int) -> bool:
         """Whether `slots` slots and `pages` pages fit now (compaction allowed)."""
@@ -169,9 +185,9 @@ class UnitPool:
             kind.holes.remove(phys)
             virtual = kind.free_virtual.pop()
         else:
-            if self._units_used() + kind.units > self.num_units:
+            if self._units_used() + kind.units > self.budget_units:
                 self._make_room(self._other(kind))
-                if self._units_used() + kind.units > self.num_units:
+                if self._units_used() + kind.units > self.budget_units:
                     raise PoolExhausted(f"unified pool: no room for a {kind.name}")
             virtual = kind.free_virtual.pop()
             kind.top += 1
@@ -280,5 +296,5 @@ class UnitPool:
             assert len(kind.free_virtual) + len(live_v) == kind.max_virtual, f"{kind.name}: ids leaked"
             if self.unified and not self.lazy:
                 assert kind.top == kind.live and not kind.holes, f"{kind.name}: eager pool not dense"
-        assert self._units_used() <= self.num_units, "slots and pages overlap"
+        assert self._units_used() <= self.budget_units <= self.num_units, "slots and pages overlap or exceed the budget"
         assert allow_pending_moves or not self._pending, "moves planned but not applied"

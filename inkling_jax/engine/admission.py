@@ -244,7 +244,7 @@ class Admission:
         pool = self.pool
         if pool.unified:
             need = slots * pool.slots.units + pages * pool.pages.units
-            have = pool.num_units - pool.slots.units - pool.pages.units - held_s * pool.slots.units \
+            have = pool.budget_units - pool.slots.units - pool.pages.units - held_s * pool.slots.units \
                 - held_p * pool.pages.units
             if need > have:
                 return (f"needs {slots} slots and {pages} pages ({need} arena units), but at most {have} units can "

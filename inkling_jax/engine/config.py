@@ -22,6 +22,9 @@ class EngineConfig:
     max_running: int = 8  # requests decoded together (rows of a step)
     num_slots: int = 64  # conv-state slots (virtual ids 1..; 0 is the sink)
     num_pages: int = 256  # full-attention K/V pages
+    arena_units: int | None = None  # the device arena's unit rows: None = what num_slots and num_pages need;
+    #                                 larger: the pool still uses only that much, and engines of one arena
+    #                                 size share compiled steps whatever their slot / page budgets
     page_size: int = 16
     pool: str = "unified"  # "unified" or "static"
     prefix_cache: bool = True
@@ -71,6 +74,8 @@ class EngineConfig:
             need(is_int(value) and value >= 0, f"{name} must be an int >= 0, got {value!r}")
         need(self.decode_steps == "auto" or (is_int(self.decode_steps) and self.decode_steps >= 1),
              f"decode_steps must be 'auto' or an int >= 1, got {self.decode_steps!r}")
+        need(self.arena_units is None or (is_int(self.arena_units) and self.arena_units >= 1),
+             f"arena_units must be None or an int >= 1, got {self.arena_units!r}")
         need(self.max_context is None or (is_int(self.max_context) and self.max_context >= 1),
              f"max_context must be None or an int >= 1, got {self.max_context!r}")
         for name in ("prefix_cache", "pallas_interpret", "warmup"):

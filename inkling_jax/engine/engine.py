@@ -130,7 +130,12 @@ class Engine:
         # one device's layout: with a mesh, each device's arena serves the local config
         step_cfg = cfg if self.plan is None else self.plan.local_cfg
         self.layout = lay = ArenaLayout.build(step_cfg, config.page_size, config.spec_steps)
-        num_units = lay.arena_units(config.num_slots, config.num_pages)
+        budget = lay.arena_units(config.num_slots, config.num_pages)
+        num_units = budget if config.arena_units is None else config.arena_units
+        if num_units < budget:
+            raise ValueError(f"EngineConfig: arena_units={num_units} is smaller than the {budget} units that "
+                             f"num_slots={config.num_slots} and num_pages={config.num_pages} need "
+                             f"({lay.slot_units} units a slot, {lay.page_units} a page, plus the two sinks)")
         # before any host table of that size
         if self.plan is None:
             check_arena_fits(num_units, lay, params["unembed"].dtype)
@@ -140,13 +145,13 @@ class Engine:
             check_arena_fits_per_device(memory, local)
         self.pool = UnitPool(num_units, lay.slot_units, lay.page_units, unified=config.pool == "unified",
                              lazy=config.ping_pong == "lazy", num_slots=config.num_slots,
-                             num_pages=config.num_pages)
+                             num_pages=config.num_pages, budget_units=budget)
         self.tree = PrefixTree(config.page_size, config.evict_policy) if config.prefix_cache else None
         self._stats = EngineStats(accepted_at_depth=[0] * config.spec_steps)
         self.requests = Requests(config, self.pool, self.tree, self._stats)
         self.admission, self.checkpoints = self.requests.admission, self.requests.checkpoints
         if self.pool.unified:  # the longest sequence: every page but those of one request's slots
-            page_cap = (num_units - (1 + self.admission.slots_per_request) * lay.slot_units) // lay.page_units - 1
+            page_cap = (budget - (1 + self.admission.slots_per_request) * lay.slot_units) // lay.page_units - 1
         else:
             page_cap = config.num_pages
         self.max_context = min(config.max_context or page_cap * config.page_size, page_cap * config.page_size)
@@ -649,7 +654,7 @@ class Engine:
         compiles. wait=False: return at once and let them compile in the background (a step
         waits only for its own program)."""
         with self._lock:
-            self.runner.warmup(max_move_units=self.pool.num_units, overlap=self.runner.overlap, wait=wait)
+            self.runner.warmup(max_move_units=self.pool.budget_units, overlap=self.runner.overlap, wait=wait)
 
     def stats(self) -> dict[str, Any]:
         with self._lock:

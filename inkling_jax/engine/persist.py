@@ -328,12 +328,13 @@ def check_room(engine: "Engine", state: dict) -> None:
     pool, lay = engine.pool, engine.layout
     n, m = state["slots"], state["pages"]
     if pool.unified:
-        fits = lay.arena_units(n, m) <= pool.num_units and n <= pool.slots.max_virtual and m <= pool.pages.max_virtual
+        fits = (lay.arena_units(n, m) <= pool.budget_units and n <= pool.slots.max_virtual
+                and m <= pool.pages.max_virtual)
     else:
         fits = n <= pool.capacity("slot") and m <= pool.capacity("page")
     if not fits:
         raise ValueError(f"restore: the save holds {n} slots and {m} pages; this engine's pool "
-                         f"({engine.config.pool}, {pool.num_units} units) cannot hold them")
+                         f"({engine.config.pool}, {pool.budget_units} units) cannot hold them")
 
 
 def read_arrays(where: str, state: dict, engine: "Engine") -> tuple[np.ndarray, np.ndarray]:

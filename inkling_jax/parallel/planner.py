@@ -60,6 +60,7 @@ class PoolSizes:
     chunk_size: int = 64  # most new tokens of one request in one step
     max_step_tokens: int = 256  # most packed tokens in one step
     max_context: int | None = None  # longest sequence attended (default num_pages * page_size)
+    arena_units: int | None = None  # the arena's unit rows (default: what num_slots and num_pages need)
 
     def validate(self) -> None:
         for name in ("num_slots", "num_pages", "page_size", "max_running", "chunk_size", "max_step_tokens"):
@@ -179,10 +180,12 @@ def plan_memory(cfg: InklingConfig, dtype: Any = "bfloat16", mesh: Mesh | Mappin
     weights = {k: weights[k] for k in order if k in weights}
 
     lay = ArenaLayout.build(plan.local_cfg, pool.page_size, pool.spec_steps)
-    num_units = lay.arena_units(pool.num_slots, pool.num_pages)
+    budget = lay.arena_units(pool.num_slots, pool.num_pages)
+    num_units = max(budget, pool.arena_units or 0)
     arena = num_units * lay.unit_elems * act
     note = (f"{pool.num_slots} slots x {lay.slot_units} + {pool.num_pages} pages x {lay.page_units} units "
-            f"of {lay.unit_elems * act / 1024:.0f} KiB")
+            f"of {lay.unit_elems * act / 1024:.0f} KiB" + (f" in an arena of {num_units} units" if num_units > budget
+                                                          else ""))
     return MemoryPlan(cfg, plan.tp, plan.ep, str(jnp.dtype(dtype)), wb, pool, weights, arena, note,
                       _workspace(plan, pool, act))
 
@@ -190,7 +193,7 @@ def plan_memory(cfg: InklingConfig, dtype: Any = "bfloat16", mesh: Mesh | Mappin
 def pool_sizes(config: Any) -> PoolSizes:
     """The PoolSizes of an `EngineConfig` (the fields that set memory)."""
     return PoolSizes(config.num_slots, config.num_pages, config.page_size, config.spec_steps, config.max_running,
-                     config.chunk_size, config.max_step_tokens, config.max_context)
+                     config.chunk_size, config.max_step_tokens, config.max_context, config.arena_units)
 
 
 def _weight_part(cfg: InklingConfig, path: tuple) -> str:
