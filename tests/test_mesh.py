@@ -447,5 +447,11 @@ def test_planner_json_free_of_devices():
     mem = plan_memory(cfg, "float32", {"tp": 4, "ep": 2}, PoolSizes(num_slots=8, num_pages=16, page_size=4))
     assert mem.total == mem.weights_total + mem.arena + mem.workspace_total
     json.dumps({"weights": mem.weights, "workspace": mem.workspace})
+    # EngineConfig.arena_units: the arena's own size sets its bytes, whatever the budget
+    wide = plan_memory(cfg, "float32", {"tp": 4, "ep": 2},
+                       PoolSizes(num_slots=8, num_pages=16, page_size=4, arena_units=10**6))
+    per_unit = wide.arena // 10**6
+    assert wide.arena == 10**6 * per_unit and mem.arena % per_unit == 0 and mem.arena // per_unit < 10**6
+    assert "in an arena of 1000000 units" in wide.arena_note and "in an arena" not in mem.arena_note
     with pytest.raises(ValueError, match=r"unknown mesh axes \['dp'\]"):
         plan_memory(cfg, "float32", {"dp": 2})

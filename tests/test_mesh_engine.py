@@ -84,14 +84,17 @@ def test_mesh_engine_cases_on_8_host_devices():
 
 def test_one_device_mesh_equals_no_mesh():
     """A mesh of one device runs the shard_map path (collectives over axes of size 1) and
-    gives the single-device engine's outputs; its arena is [units, 1, unit_elems]."""
+    gives the single-device engine's outputs; its arena is [units, 1, unit_elems]. The mesh
+    engine's arena is larger than its budget (ENGINE_KW's arena_units; the reference's is the
+    budget): the same outputs."""
     want, layout = _single(0)
-    engine = _engine(ik.make_mesh())
+    engine = _engine(ik.make_mesh(), arena_units=ENGINE_KW["arena_units"])
     got = engine.generate(PROMPTS, GREEDY)
     assert_same_completions(got, want, atol=1e-6)
     # the same layout (its config is the plan's local one, whose vocab slice is set apart)
     assert dataclasses.replace(engine.layout, cfg=layout.cfg) == layout
-    assert engine.state.arena.shape == (engine.pool.num_units, 1, layout.unit_elems)
+    assert engine.state.arena.shape == (ENGINE_KW["arena_units"], 1, layout.unit_elems)
+    assert engine.pool.budget_units == layout.arena_units(KW["num_slots"], KW["num_pages"]) < engine.pool.num_units
     engine.check_invariants()
 
 
