@@ -17,6 +17,11 @@ from typing import Any, Mapping
 from . import hf_config
 
 
+# the fields that describe the MTP draft depths (`InklingConfig.trunk` resets them)
+MTP_FIELDS = ("num_mtp_layers", "mtp_local_layer_ids", "mtp_local_extent", "mtp_swa_num_heads", "mtp_swa_num_kv_heads",
+              "mtp_swa_head_dim", "chain_hidden_post_norm", "mtp_hidden_states_first")
+
+
 @dataclass(frozen=True)
 class AttentionGeometry:
     """Head geometry of one attention layer (trunk layer or MTP depth)."""
@@ -178,6 +183,12 @@ class InklingConfig:
 
     def replace(self, **changes: Any) -> "InklingConfig":
         return dataclasses.replace(self, **changes)
+
+    def trunk(self) -> "InklingConfig":
+        """This config without its MTP depths (every MTP field at its default): what a plain,
+        non-speculative engine runs, so that its programs are those of the same model without
+        MTP weights (its ring holds the trunk's windows only)."""
+        return self.replace(**{f.name: f.default for f in dataclasses.fields(self) if f.name in MTP_FIELDS})
 
     # ---------------------------------------------------------------- presets
 

@@ -25,7 +25,7 @@ from inkling_jax import cli, programs
 from inkling_jax.compile_cache import EXECUTABLE_CACHE_ENV, ExecutableCacheWarning, ExecutableStore
 
 import cpu_flags
-from conftest import TRUNK, assert_same_completions, count_xla_compiles, make_engine
+from conftest import TRUNK, TWO_LAYER, assert_same_completions, count_xla_compiles, make_engine
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPTS = [[1, 2, 3, 4, 5], [9, 8, 7]]
@@ -144,6 +144,23 @@ def test_engines_of_one_arena_size_share_steps_whatever_their_budgets(small_para
         small_engine(small_params, num_slots=16, num_pages=64, arena_units=100)
     with pytest.raises(ValueError, match="arena_units must be None or an int >= 1"):
         ik.EngineConfig(arena_units=0)
+
+
+def test_a_plain_engine_runs_the_trunks_programs(small_params):
+    """A plain engine (spec_steps 0) of a model with MTP depths runs the programs of the same
+    model without them (`InklingConfig.trunk`: MTP fields and weights left out of its steps):
+    after the trunk model's engine it compiles nothing and gives the same completions. A
+    speculative engine of that model keeps its draft state (another layout)."""
+    with_mtp = {**small_params, "mtp": ik.init_params(TWO_LAYER, jax.random.key(1), std=0.1)["mtp"]}
+    assert TWO_LAYER.trunk() == SMALL
+    trunk = small_engine(small_params)
+    want = trunk.generate(PROMPTS, SAMPLING)
+    with count_xla_compiles() as compiles:
+        plain = make_engine(with_mtp, TWO_LAYER)
+        got = plain.generate(PROMPTS, SAMPLING)
+    assert compiles[0] == 0 and plain.layout == trunk.layout and plain.cfg == TWO_LAYER
+    assert_same_completions(got, want, atol=0)
+    assert make_engine(with_mtp, TWO_LAYER, spec_steps=1).layout.draft
 
 
 def test_count_table_writes_come_from_the_table(small_params):

@@ -127,8 +127,13 @@ class Engine:
         if self.plan is not None:
             params = place_params(self.plan, params)
         self.cfg, self.params, self.config = cfg, params, config
+        # A plain engine's programs take the trunk alone (MTP fields and weights left out): they
+        # are those of the same model without MTP depths (and its ring holds the trunk's windows)
+        run_cfg, run_params = cfg, params
+        if not config.spec_steps and cfg.num_mtp_layers and self.plan is None:
+            run_cfg, run_params = cfg.trunk(), {k: v for k, v in params.items() if k != "mtp"}
         # one device's layout: with a mesh, each device's arena serves the local config
-        step_cfg = cfg if self.plan is None else self.plan.local_cfg
+        step_cfg = run_cfg if self.plan is None else self.plan.local_cfg
         self.layout = lay = ArenaLayout.build(step_cfg, config.page_size, config.spec_steps)
         budget = lay.arena_units(config.num_slots, config.num_pages)
         num_units = budget if config.arena_units is None else config.arena_units
@@ -155,8 +160,8 @@ class Engine:
         else:
             page_cap = config.num_pages
         self.max_context = min(config.max_context or page_cap * config.page_size, page_cap * config.page_size)
-        self.runner = self.runner_cls(cfg, params, config, lay, self.pool, self.max_context,
-                                 extend_checkpoints=self.checkpoints.max_per_step, plan=self.plan)
+        self.runner = self.runner_cls(run_cfg, run_params, config, lay, self.pool, self.max_context,
+                                      extend_checkpoints=self.checkpoints.max_per_step, plan=self.plan)
         if not self._own_drafts():  # a subclass's drafts_for: one verify round per dispatch (warmup's bucket too)
             self.runner.verify_rounds = 1
         self.scheduler = Scheduler(cfg, config, self.requests, self._stats, decode_steps=self.runner.decode_steps)
