@@ -140,12 +140,13 @@ def test_unified_boundary_follows_the_workload():
             assert (len(slots), len(pages)) == (6, 10)
 
 
+# allocations three times as likely as frees: schedules reach exhaustion, where the budget decides
+ALLOC_HEAVY = ["alloc_slot"] * 3 + ["alloc_page"] * 3 + ["free_slot", "free_page", "compact"]
+
+
 @settings(max_examples=60, deadline=None)
 @given(unified=st.booleans(), lazy=st.booleans(), extra=st.integers(1, 40),
-       # allocations three times as likely as frees: the schedules reach exhaustion, where the budget decides
-       ops=st.lists(st.tuples(st.sampled_from(["alloc_slot"] * 3 + ["alloc_page"] * 3 + ["free_slot", "free_page",
-                                                                                       "compact"]),
-                              st.integers(0, 1000)), max_size=60))
+       ops=st.lists(st.tuples(st.sampled_from(ALLOC_HEAVY), st.integers(0, 1000)), max_size=60))
 def test_a_budget_in_a_larger_arena_decides_as_an_arena_of_its_size(unified, lazy, extra, ops):
     """EngineConfig.arena_units: a pool whose budget is B units inside an arena of B + extra
     makes every decision an arena of exactly B makes (the same virtual ids and physical
