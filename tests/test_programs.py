@@ -118,8 +118,8 @@ def test_dropped_engines_programs_serve_the_next_until_evicted(small_params, mon
 
 def test_engines_of_one_arena_size_share_steps_whatever_their_budgets(small_params):
     """EngineConfig.arena_units: an engine whose slot / page budget is smaller than another's
-    but whose arena has the same size runs that engine's compiled steps (none waited for, XLA
-    compiles only for compaction copies of counts the first never made) and gives exactly what
+    but whose arena has the same size runs that engine's compiled steps (none waited for:
+    `compile_seconds` counts step programs only) and gives exactly what
     an engine whose arena is its budget gives: tokens, log-probs, cache hits, evictions and moves
     under pressure. An arena smaller than the budget, or not an int, is refused by name."""
     rng = np.random.RandomState(3)
