@@ -3,7 +3,8 @@
 Hypothesis draws an engine mode (speculation 0-3 with the MTP chain's drafts or oracle drafts
 corrupted at a random depth, multi-step decode 1-4 (with the MTP chain's drafts, verify rounds
 per dispatch too: `steps/verify_loop.py`), overlap, prefix cache off / eager / lazy,
-unified / static pool, max_running, chunk_size, max_step_tokens, page_size, track_interval)
+unified / static pool, the pool's budget alone or inside a larger arena (`arena_units`),
+max_running, chunk_size, max_step_tokens, page_size, track_interval)
 and a schedule: batches of requests (shared prefixes, prompt lengths, new-token counts, greedy
 or sampled, stop tokens, stop strings, logits processors (penalties, logit bias, min_p,
 min_tokens), top alternatives, n samples, aborts after a drawn number of steps), some of them
@@ -118,13 +119,18 @@ def modes(draw, anchor: dict) -> dict:
     chunk = draw(st.sampled_from([1, 3, 8, 16]))
     max_step_tokens = draw(st.sampled_from(sorted({max(chunk, max_running, 8), 16})))
     cache = anchor["cache"] or draw(st.sampled_from(["off", "eager", "lazy"]))
-    return dict(
+    mode = dict(
         spec_steps=spec, decode_steps=decode_steps, overlap=anchor["overlap"],
         prefix_cache=cache != "off", ping_pong="lazy" if cache == "lazy" else "eager",
         pool=draw(st.sampled_from(["unified", "static"])), max_running=max_running, chunk_size=chunk,
         max_step_tokens=max_step_tokens, page_size=page_size, track_interval=interval,
         num_slots=draw(st.sampled_from([12, 20])), num_pages=40, min_context_bucket=64, min_batch_bucket=4,
         max_step_checkpoints=draw(st.integers(1, 4)))
+    # 20 slots: the budget (at most 732 units: spec 3, pages of 4, 40 pages) inside an arena of
+    # 1024 units (2 of the default run's 12 modes); 12: an arena of its own size. Tied to an
+    # existing draw so that the default run's derandomized examples stay as they were (they
+    # change with the test function's source too: its only overlapped dispatch went with them)
+    return {**mode, "arena_units": 1024 if mode["num_slots"] == 20 else None}
 
 
 @dataclass
