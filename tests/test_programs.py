@@ -134,7 +134,7 @@ def test_engines_of_one_arena_size_share_steps_whatever_their_budgets(small_para
     assert tight.stats()["compile_seconds"] == 0  # every step from the first engine's
     exact = small_engine(small_params, num_slots=10, num_pages=40, arena_units=None, executable_cache=None)
     assert exact.state.arena.shape[0] == 151 and tight.state.arena.shape[0] == 400
-    assert_same_completions(got, exact.generate(work, sp))
+    assert_same_completions(got, exact.generate(work, sp), atol=0)  # the same math: only the arena rows differ
     keys = ("evicted_slots", "evicted_pages", "compaction_moves", "skipped_checkpoints", "cache_hit_tokens")
     assert [tight.stats()[k] for k in keys] == [exact.stats()[k] for k in keys]
     assert tight.stats()["evicted_slots"] > 0 and tight.stats()["cache_hit_tokens"] > 0  # the budget pressed
