@@ -13,9 +13,9 @@ Every other attribute has a default on `LayerContext`, which contexts subclass:
 
     ctx.ops                 the kernel seam, a `pallas_kernels.KernelOps` (default: the jnp
                             `REFERENCE_OPS`): the layers call `ops.matmul` (the attention
-                            projections), `ops.qk_norm`, and through `moe.py`
-                            `ops.router_epilogue` and `ops.experts`; the Pallas ops pick their
-                            kernels by size themselves
+                            projections), `ops.qk_norm`, `ops.swiglu` (the dense MLPs), and
+                            through `moe.py` `ops.router_epilogue` and `ops.experts`; the
+                            Pallas ops pick their kernels by size themselves
     ctx.conv_residual_norm(stream, a, weight, x, norm_weight, eps) -> (x + conv(a), its rms_norm):
                             a residual conv and the norm after it (default: the conv, the add
                             and the norm; the serving steps: `ops.conv_residual_norm`, one
@@ -74,7 +74,7 @@ CONV_STREAMS = ("k", "v", "attn", "mlp")
 __all__ = ["CONV_STREAMS", "LayerContext", "attention_block", "attention_core", "attention_tables", "causal_conv",
            "conv_from_taps", "decoder_layer", "dense_mlp", "embed", "kv_conv_weight", "linear", "lm_head",
            "log_scaling_tau", "matmul", "mlp", "param_count", "rms_norm", "row_parallel_linear", "split_qkvr",
-           "swiglu", "tp_psum", "with_kv_conv"]
+           "tp_psum", "with_kv_conv"]
 
 
 class LayerContext:
@@ -246,18 +246,13 @@ def attention_block(p: Params, cfg: InklingConfig, geom: AttentionGeometry, x: A
 # ------------------------------------------------------------------------------ MLPs
 
 
-@jax.named_scope("swiglu")
-def swiglu(x: Array, w13: Float[Array, "h two_i"], w2: Float[Array, "i h"]) -> Array:
-    """down(silu(gate) * up) with the gate | up halves of w13; SwiGLU in fp32."""
-    gu = matmul(x, w13)
-    half = gu.shape[-1] // 2
-    act = (jax.nn.silu(gu[..., :half]) * gu[..., half:]).astype(x.dtype)
-    return linear(act, w2)
-
-
 @jax.named_scope("dense_mlp")
-def dense_mlp(p: Params, cfg: InklingConfig, x: Array, parallel: "ParallelAxes | None" = None) -> Array:
-    out = tp_psum(swiglu(x, p["w13"], p["w2"]), parallel)
+def dense_mlp(p: Params, cfg: InklingConfig, x: Array, parallel: "ParallelAxes | None" = None,
+              ops: KernelOps = REFERENCE_OPS) -> Array:
+    """The dense SwiGLU MLP (`ops.swiglu`: down(silu(gate) * up), SwiGLU in fp32), times
+    global_scale where the layer has one."""
+    with jax.named_scope("swiglu"):
+        out = tp_psum(ops.swiglu(x, p["w13"], p["w2"]), parallel)
     if "global_scale" in p:
         out = (out.astype(jnp.float32) * p["global_scale"].astype(jnp.float32)).astype(x.dtype)
     return out
@@ -266,7 +261,7 @@ def dense_mlp(p: Params, cfg: InklingConfig, x: Array, parallel: "ParallelAxes |
 def mlp(p: Params, cfg: InklingConfig, dense: bool, x: Array, ops: KernelOps = REFERENCE_OPS,
         parallel: "ParallelAxes | None" = None) -> Array:
     if dense:
-        return dense_mlp(p, cfg, x, parallel)
+        return dense_mlp(p, cfg, x, parallel, ops)
     return moe.moe_mlp(p, cfg, x, ops, parallel)
 
 

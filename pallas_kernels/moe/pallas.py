@@ -12,6 +12,10 @@
         experts, shared_w13 [S, h, 2f], shared_w2 [S, f, h], gamma [n, S] the sink weights
         applied when `gated`), the routed and shared rows of each product in one launch
 
+    matvec(x, w) -> x @ w fp32, and swiglu_matvec(x, w13, w2) -> ref.swiglu(x, w13, w2): the same
+        kernel with every row through one matrix and no expert ids (a lone token's projections
+        and dense MLPs: `pallas_kernels.ops`' matmul and swiglu)
+
 All take `interpret` (CPU tests: `interpret=True`), and each has a `jax.custom_vjp` whose
 backward is its reference's VJP (`ref.py`).
 
@@ -67,8 +71,8 @@ of a routed row clamps its id and walks w, one of a shared row walks w_extra[q -
 to the other (a 100+ MB copy per step at the bench shapes). gate|up: one launch (x read in
 place, x_repeat = G) writing its split partials [n * G, S_up, 2f]; down: one launch whose
 loads compute its rows of act themselves (the act prologue of `_partials`: the partials'
-sum over S_up in order, SwiGLU, the shared rows times their gamma (the routed rows times 1.0:
-exact), rounded to x's dtype), so no launch sits between the two products; the combine
+sum over S_up in order, SwiGLU, the shared rows times their gamma read in place from [n, S],
+rounded to x's dtype), so no launch sits between the two products; the combine
 (routed weighted sum in choice order, rounded to x's dtype, + the fp32 sum of the shared rows
 rounded to x's dtype, -> x's dtype, as `ref.experts` adds `ref.shared_experts`): one
 fusion. Where today's engine took clip + repeat + routed gate|up + shared repeat + shared
@@ -144,11 +148,13 @@ def grid_for(m: int, h: int, f: int, *, tf: int = TF, bh: int = BH, splits: int 
 
 
 def _partials(x, idx, w, tf: int, bh: int, s: int, num_warps: int, interpret: bool, x_repeat: int = 1,
-              w_extra=None, group: int = 1, act_dtype=None, mult=None, num_stages: int = NUM_STAGES,
+              w_extra=None, group: int = 1, act_dtype=None, gamma=None, num_stages: int = NUM_STAGES,
               max_unroll: int = MAX_UNROLL) -> Array:
     """part[i, s, :] = x[i // x_repeat, chunk s] @ W_i[chunk s], fp32 [m, S, F].
 
-    Without w_extra: m = len(idx) and W_i = w[clip(idx[i], 0, E - 1)]. With w_extra [S', h, F]:
+    Without w_extra: m = len(idx) and W_i = w[clip(idx[i], 0, E - 1)]; idx None: every row
+    through w[0] (m = len(x) * x_repeat; no id array, so no constant ids for XLA to
+    materialise before each launch). With w_extra [S', h, F]:
     rows come in groups of `group` = k + S' per token (m = n * group, idx [n * k]); row
     i = t * group + q reads W_i = w[clip(idx[t * k + q], 0, E - 1)] for q < k, w_extra[q - k]
     after (the expert id E + q - k): one branch per program loads from one of the two arrays,
@@ -156,40 +162,47 @@ def _partials(x, idx, w, tf: int, bh: int, s: int, num_warps: int, interpret: bo
 
     act_dtype (the SwiGLU prologue): x is then the previous product's partials [m_x, S_x, 2h]
     fp32 (gate | up halves), and the row x[r] this product reads is
-    act = silu(sum_s x[r, s, :h]) * sum_s x[r, s, h:] (times mult[r] when given, [m_x] fp32),
-    rounded to act_dtype: what the activation between the two products computed in a launch of
-    its own (the sums over S_x in order s = 0, 1, ...)."""
+    act = silu(sum_s x[r, s, :h]) * sum_s x[r, s, h:], rounded to act_dtype: what the activation
+    between the two products computed in a launch of its own (the sums over S_x in order
+    s = 0, 1, ...). gamma [n, S'] fp32 (with w_extra and act_dtype): the act of row t * group + q,
+    q >= k, times gamma[t, q - k] before the rounding (the shared experts' sink weights, read in
+    place: a multiplier per row, ones for the routed rows, was one more launch); routed rows
+    unscaled."""
     h = x.shape[1] if act_dtype is None else x.shape[2] // 2
     n_experts, f = w.shape[0], w.shape[-1]
     k = group - (0 if w_extra is None else w_extra.shape[0])
-    m = idx.shape[0] if w_extra is None else idx.shape[0] // k * group
+    if idx is None:
+        m = x.shape[0] * x_repeat
+    else:
+        m = idx.shape[0] if w_extra is None else idx.shape[0] // k * group
     chunk = h // s
     nb = chunk // bh
     dtype = x.dtype if act_dtype is None else jnp.dtype(act_dtype)
     n_extra = 0 if w_extra is None else 1
 
-    def kernel(idx_ref, x_ref, w_ref, *refs):
+    def kernel(*all_refs):
+        idx_ref, (x_ref, w_ref, *refs) = (None, all_refs) if idx is None else (all_refs[0], all_refs[1:])
         o_ref = refs[-1]
         i, j, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
         r = i // x_repeat if x_repeat > 1 else i  # x's row read in place (no repeated copy of x)
         cols = pl.ds(pl.multiple_of(j * tf, tf), tf)
         base = c * chunk
 
-        def x_block(start):
+        def x_block(start, scale):
             rows = pl.ds(pl.multiple_of(start, bh), bh)
             if act_dtype is None:
                 return x_ref[r, rows].astype(jnp.float32)
             gate = jnp.sum(x_ref[r, :, rows], axis=0)  # [bh]: the gate partials' sum over S_x
             up = jnp.sum(x_ref[r, :, pl.ds(pl.multiple_of(h + start, bh), bh)], axis=0)
             a = jax.nn.silu(gate) * up
-            if mult is not None:
-                a = a * refs[n_extra][r]
+            if scale is not None:
+                a = a * scale
             return a.astype(dtype).astype(jnp.float32)
 
-        def matvec(wt_ref, e):
+        def matvec(wt_ref, e, scale=None):
             def block(b, acc):
                 rows = pl.ds(pl.multiple_of(base + b * bh, bh), bh)
-                xb = x_block(base + b * bh)
+                xb = x_block(base + b * bh, scale)
                 wb = wt_ref[e, rows, cols]
                 if wb.dtype != dtype:
                     wb = wb.astype(dtype)  # the reference's w.astype(x.dtype)
@@ -207,7 +220,9 @@ def _partials(x, idx, w, tf: int, bh: int, s: int, num_warps: int, interpret: bo
             # the id clamped here, not by an XLA op before the launch: no id can address outside w
             return jnp.minimum(jnp.maximum(idx_ref[pos], 0), n_experts - 1)
 
-        if w_extra is None:
+        if idx is None:
+            matvec(w_ref, 0)
+        elif w_extra is None:
             matvec(w_ref, clamped(i))
         else:
             t, q = i // group, i % group
@@ -218,13 +233,13 @@ def _partials(x, idx, w, tf: int, bh: int, s: int, num_warps: int, interpret: bo
 
             @pl.when(q >= k)
             def _():
-                matvec(refs[0], q - k)
+                matvec(refs[0], q - k, None if gamma is None else refs[n_extra][t, q - k])
 
-    extra = (() if w_extra is None else (w_extra,)) + (() if mult is None else (mult.astype(jnp.float32),))
+    extra = (() if w_extra is None else (w_extra,)) + (() if gamma is None else (gamma.astype(jnp.float32),))
     return pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((m, s, f), jnp.float32), grid=(m, f // tf, s),
                        aliases={}, interpret=interpret, num_warps=num_warps, num_stages=num_stages,
                        name="moe_grouped_matvec")(
-        idx.astype(jnp.int32), x, w, *extra)
+        *(() if idx is None else (idx.astype(jnp.int32),)), x, w, *extra)
 
 
 def _grouped_matvec_fwd(x, idx, w, *, x_repeat: int = 1, tf: int, bh: int, splits: int | None, num_warps: int,
@@ -260,6 +275,49 @@ def grouped_matvec(x: Float[Array, "mx h"], idx: Int[Array, " m"], w: Float[Arra
               interpret=interpret, num_stages=num_stages, max_unroll=max_unroll)
     kernel_fn = lambda x, idx, w: _grouped_matvec_fwd(x, idx, w, **kw)
     return with_ref_vjp(kernel_fn, lambda x, idx, w: ref.grouped_matvec(x, idx, w, x_repeat))(x, idx, w)
+
+
+def _matvec_fwd(x, w, *, tf: int, bh: int, num_warps: int, target_programs: int, interpret: bool) -> Array:
+    plan = _plan(x.shape[0], x.shape[1], w.shape[1], tf, bh, None, target_programs)
+    if plan is None:
+        return ref.matvec(x, w)
+    part = _partials(x, None, w[None], *plan, num_warps, interpret)
+    return part[:, 0] if plan[2] == 1 else jnp.sum(part, axis=1)
+
+
+def matvec(x: Float[Array, "m h"], w: Float[Array, "h F"], *, tf: int = TF, bh: int = BH, num_warps: int = NUM_WARPS,
+           target_programs: int = TARGET_PROGRAMS, interpret: bool = False) -> Float[Array, "m F"]:
+    """y = x @ w.astype(x.dtype), fp32 (`ref.matvec`): grouped_matvec's kernel with every row
+    through the one matrix w and no expert ids (a lone token's projections: constant ids were
+    an array XLA materialised before every launch). Backward: the reference's VJP."""
+    if x.ndim != 2 or w.ndim != 2 or w.shape[0] != x.shape[1]:
+        return ref.matvec(x, w)
+    kw = dict(tf=tf, bh=bh, num_warps=num_warps, target_programs=target_programs, interpret=interpret)
+    return with_ref_vjp(lambda x, w: _matvec_fwd(x, w, **kw), ref.matvec)(x, w)
+
+
+def _swiglu_fwd(x, w13, w2, up, down, num_warps: int, interpret: bool) -> Array:
+    gu_part = _partials(x, None, w13[None], *up, num_warps, interpret)  # [m, S_up, 2f] fp32
+    y_part = _partials(gu_part, None, w2[None], *down, num_warps, interpret, act_dtype=x.dtype)
+    y = y_part[:, 0] if down[2] == 1 else jnp.sum(y_part, axis=1)
+    return y.astype(x.dtype)
+
+
+def swiglu_matvec(x: Float[Array, "m h"], w13: Float[Array, "h two_f"], w2: Float[Array, "f h"], *, tf: int = TF,
+                  bh: int = BH, num_warps: int = NUM_WARPS, target_programs: int = TARGET_PROGRAMS,
+                  interpret: bool = False) -> Float[Array, "m h"]:
+    """`ref.swiglu` (a dense SwiGLU MLP: down(silu(gate) * up), act and output rounded to x's
+    dtype) for a few rows in two launches of the mat-vec kernel: the gate|up product's split
+    partials, then the down product computing act in its loads (the act prologue, as the
+    experts' kernel), no expert ids; backward: the reference's VJP."""
+    ok = x.ndim == 2 and w13.ndim == 2 and w2.ndim == 2 and w13.shape[0] == x.shape[1] and w13.shape[1] % 2 == 0 \
+        and w2.shape == (w13.shape[1] // 2, x.shape[1])
+    sizes = dict(tf=tf, bh=bh, splits=None, target_programs=target_programs)
+    up = _plan(x.shape[0], x.shape[1], w13.shape[1], **sizes) if ok else None
+    down = _plan(x.shape[0], w2.shape[0], w2.shape[1], **sizes) if ok else None
+    if up is None or down is None:
+        return ref.swiglu(x, w13, w2)
+    return with_ref_vjp(lambda *a: _swiglu_fwd(*a, up, down, num_warps, interpret), ref.swiglu)(x, w13, w2)
 
 
 def _expert_outputs(y_part: Array, splits: int, dtype, n: int) -> Array:
@@ -325,14 +383,11 @@ def _joined_kernel(x, idx, weight, w13, w2, shared_w13, shared_w2, gamma, gated:
     flat = idx.reshape(n * k)
     # gate|up partials [n * G, S_up, 2f] fp32, x read in place for its G rows; their sum over
     # S_up, SwiGLU, the shared rows' sink gamma (before the rounding, shared_experts' order;
-    # routed rows x 1.0: exact) and the rounding to x's dtype happen in the down product's
+    # read in place, routed rows unscaled) and the rounding to x's dtype happen in the down product's
     # loads (the act prologue): no launch between the two products
     gu_part = _partials(x, flat, w13, *up, num_warps, interpret, x_repeat=g, w_extra=shared_w13, group=g)
-    mult = None
-    if gated:
-        mult = jnp.concatenate([jnp.ones((n, k), jnp.float32), gamma.astype(jnp.float32)], axis=1).reshape(n * g)
     y_part = _partials(gu_part, flat, w2, *down, num_warps, interpret, w_extra=shared_w2, group=g,
-                       act_dtype=x.dtype, mult=mult)
+                       act_dtype=x.dtype, gamma=gamma if gated else None)
     y = _expert_outputs(y_part, down[2], x.dtype, n)  # [n, G, h] fp32
     routed = _routed_sum(y, weight).astype(x.dtype).astype(jnp.float32)  # moe_experts' dtype, then experts' add
     return (routed + jnp.sum(y[:, k:], axis=1)).astype(x.dtype)
@@ -371,4 +426,4 @@ def moe_experts_with_shared(x: Float[Array, "n h"], idx: Int[Array, "n k"], weig
     return with_ref_vjp(kernel_fn, ref_fn)(*args)
 
 
-__all__ = ["grouped_matvec", "grid_for", "moe_experts", "moe_experts_with_shared"]
+__all__ = ["grid_for", "grouped_matvec", "matvec", "moe_experts", "moe_experts_with_shared", "swiglu_matvec"]

@@ -16,11 +16,16 @@ and the oracle, the fallback and the backward of the kernels in `pallas.py` and 
         every token through each of the S shared experts (shared_w13 [S, h, 2f], shared_w2
         [S, f, h]), act times its sink weight gamma [n, S] when `gated`, each expert's output
         rounded to x's dtype, summed in fp32; `matvec`: the same through a grouped mat-vec
+    swiglu(x, w13, w2) -> [.., h] in x's dtype
+        a dense SwiGLU MLP: down(silu(gate) * up) with w13 [h, 2f] (gate | up halves) and w2
+        [f, h]; both products accumulated in fp32, the activation in fp32 rounded to x's dtype,
+        the output rounded to x's dtype (the dense layers and the MTP blocks)
     moe_experts_dense / _gather / _slices / _ragged, MOE_IMPLS: the routed experts' jnp
         implementations (the same math; `python -m bench.kernels.moe_micro` times them)
     grouped_matvec(x, idx, w, x_repeat=1) -> y
         y[i] = x[i // x_repeat] @ w[clip(idx[i], 0, E - 1)] (x's dtype, fp32 accumulation): the
         grouped mat-vec kernel's product
+    matvec(x, w) -> x @ w (x's dtype, fp32 accumulation): `pallas.matvec`'s product
     grouped_matvec_extra(x, idx, w, w_extra, x_repeat, group) -> y
         rows of k routed ids then S experts of w_extra per token (`pallas.moe_experts_with_shared`'s
         products)
@@ -47,6 +52,12 @@ def grouped_matvec(x: Float[Array, "mx h"], idx: Int[Array, " m"], w: Float[Arra
     return jnp.einsum("mh,mhf->mf", x, w[ids].astype(x.dtype), preferred_element_type=jnp.float32)
 
 
+def matvec(x: Float[Array, "m h"], w: Float[Array, "h F"]) -> Float[Array, "m F"]:
+    """x @ w in x's dtype with fp32 accumulation (`pallas.matvec`'s product: grouped_matvec with
+    one matrix)."""
+    return jnp.matmul(x, w.astype(x.dtype), preferred_element_type=jnp.float32)
+
+
 def grouped_matvec_extra(x: Float[Array, "mx h"], idx: Int[Array, " nk"], w: Float[Array, "E h F"],
                          w_extra: Float[Array, "S h F"], x_repeat: int, group: int) -> Float[Array, "m F"]:
     """Rows of `group` = k + S per token (m = n * group = mx * x_repeat, idx [n * k]): row
@@ -61,6 +72,17 @@ def grouped_matvec_extra(x: Float[Array, "mx h"], idx: Int[Array, " nk"], w: Flo
     routed = jnp.einsum("nkh,nkhf->nkf", xr[:, :k], w[ids].astype(x.dtype), preferred_element_type=jnp.float32)
     extra = jnp.einsum("nsh,shf->nsf", xr[:, k:], w_extra.astype(x.dtype), preferred_element_type=jnp.float32)
     return jnp.concatenate([routed, extra], axis=1).reshape(n * group, -1)
+
+
+# ------------------------------------------------------------------ a dense SwiGLU
+
+
+def swiglu(x: Float[Array, "... h"], w13: Float[Array, "h two_f"], w2: Float[Array, "f h"]) -> Float[Array, "... h"]:
+    """down(silu(gate) * up) with the gate | up halves of w13 (module docstring)."""
+    gu = matmul(x, w13)
+    half = gu.shape[-1] // 2
+    act = (jax.nn.silu(gu[..., :half]) * gu[..., half:]).astype(x.dtype)
+    return matmul(act, w2).astype(x.dtype)
 
 
 # ------------------------------------------------------------------ the routed experts
@@ -229,5 +251,6 @@ def add_shared(routed: Callable, matvec: Callable | None, x: Array, idx: Array, 
     return out.astype(x.dtype)
 
 
-__all__ = ["MOE_IMPLS", "add_shared", "experts", "grouped_matvec", "grouped_matvec_extra", "moe_experts",
-           "moe_experts_dense", "moe_experts_gather", "moe_experts_ragged", "moe_experts_slices", "shared_experts"]
+__all__ = ["MOE_IMPLS", "add_shared", "experts", "grouped_matvec", "grouped_matvec_extra", "matvec", "moe_experts",
+           "moe_experts_dense", "moe_experts_gather", "moe_experts_ragged", "moe_experts_slices", "shared_experts",
+           "swiglu"]
