@@ -39,6 +39,13 @@
 #            "TF=256 BH=32", or "MAX_UNROLL=0 NUM_STAGES=3" for the pipelined loop), then decode
 #            library / copy / library / copy (the first run after the check is slow whatever the
 #            tree); ~9 min, one device call
+#   swiglu   as tiles, for a copy of the tree with pallas_kernels/ops.py's LONE_ROW_SWIGLU_KERNEL = True (a
+#            lone row's dense MLP by the mat-vec kernel, off until this part says it pays)
+#   ab       decode (B = 1, 32, K = 8) of the tree at $AB_BASE (a copy of bench/, inkling_jax/,
+#            pallas_kernels/ of the base commit, e.g. `git archive HEAD bench inkling_jax
+#            pallas_kernels | tar -x -C ab/base`) and of this tree, alternating base / this / base /
+#            this on one warm machine, one compilation cache (keyed by the programs: the trees' steps
+#            do not mix); run it before `check`, whose first decode after it is 5-7 % slow
 # Every part's command is printed before it runs; a part that fails or times out is reported
 # and the next one runs. bench.serve.serve's compiles go to the persistent cache $GPU_SESSION_CACHE
 # (default /tmp/gpu_session_cache): later parts and calls on a warm machine reuse them.
@@ -69,6 +76,24 @@ run_part() {  # name, seconds, command...
 decode_part() {  # name, cache dir: bench.serve.serve decode at B = 1 and 32, K = 8, into $OUT/<name>.md
     run_part "$1" 240 python -m bench.serve.serve --sections decode --decode-batches 1,32 --decode-steps 8 \
         --cache-dir "$2" --out "$OUT/$1.md"
+}
+
+variant_part() {  # name, module file, "NAME=VALUE ...": decode as the library is, then the GPU check of a
+    # copy of the tree whose module globals NAME are set to VALUE, then decode library / copy / library /
+    # copy (the first decode after the ~5-minute check is 5-7 % slow whatever the tree, H100, sessions
+    # 12-13: the library runs once more first); the timings run whatever the check says (its log says)
+    local name=$1 file=$2 settings=$3 tree=/tmp/gpu_session_variant kv
+    decode_part "decode_library" ""
+    rm -rf "$tree" && mkdir -p "$tree" && cp -r bench inkling_jax pallas_kernels "$tree"/
+    for kv in $settings; do
+        sed -i "s/^${kv%%=*} = [A-Za-z0-9_.]*/${kv%%=*} = ${kv#*=}/" "$tree/$file"
+        grep -q "^${kv%%=*} = ${kv#*=}\b" "$tree/$file" || { echo "$name: sed $kv in $file failed"; return 1; }
+    done
+    (cd "$tree" && run_part "${name}_check" 420 python -m bench.check.gpu_check --outputs-out "$OUT/check_$name.json")
+    decode_part decode_after_check ""
+    (cd "$tree" && decode_part "decode_$name" "")
+    decode_part decode_library2 ""
+    (cd "$tree" && decode_part "decode_${name}2" "")
 }
 
 for part in "$@"; do
@@ -120,24 +145,15 @@ for part in "$@"; do
         tiles)  # the grouped mat-vec's module defaults set to $MATVEC_TILES (e.g. "NUM_WARPS=2 TF=256"),
             # checked and timed in a copy of the tree against decode as the library is: adopt only if
             # the check passes (a new tiling sums the fp32 products in another order)
-            decode_part decode_library ""
-            tree=/tmp/gpu_session_tiles
-            rm -rf "$tree" && mkdir -p "$tree" && cp -r bench inkling_jax pallas_kernels "$tree"/
-            ok=1
-            for kv in ${MATVEC_TILES:?tiles needs MATVEC_TILES, e.g. NUM_WARPS=2}; do
-                sed -i "s/^${kv%%=*} = [0-9]*/${kv%%=*} = ${kv#*=}/" "$tree/pallas_kernels/moe/pallas.py"
-                grep -q "^${kv%%=*} = ${kv#*=}\b" "$tree/pallas_kernels/moe/pallas.py" || { echo "tiles: sed $kv failed"; ok=0; }
-            done
-            [ $ok = 1 ] || continue
-            # the decode timing runs whatever the check says (its log says whether it passed);
-            # the first decode run after the ~5-minute check is 5-7 % slow whatever the tree
-            # (H100, sessions 12-13), so the library runs once more first, then the two alternate
-            (cd "$tree" && run_part tiles_check 420 python -m bench.check.gpu_check \
-                --outputs-out "$OUT/check_tiles.json")
-            decode_part decode_after_check ""
-            (cd "$tree" && decode_part decode_tiles "")
-            decode_part decode_library2 ""
-            (cd "$tree" && decode_part decode_tiles2 "") ;;
-        *) echo "unknown part $part (check modes decode verify prefill spec moe profile sweep sweep_proj flags tiles matvec_tiles startup autotune)"; exit 2 ;;
+            variant_part tiles pallas_kernels/moe/pallas.py "${MATVEC_TILES:?tiles needs MATVEC_TILES, e.g. NUM_WARPS=2}" ;;
+        swiglu)  # a lone row's dense MLP by the mat-vec kernel (pallas_kernels/ops.py), checked and timed
+            variant_part swiglu pallas_kernels/ops.py "LONE_ROW_SWIGLU_KERNEL=True" ;;
+        ab)
+            base=$(cd "${AB_BASE:?ab needs AB_BASE, a copy of the base tree}" && pwd)
+            for run in 1 2; do
+                (cd "$base" && decode_part "decode_base$run" "$CACHE")
+                decode_part "decode_this$run" "$CACHE"
+            done ;;
+        *) echo "unknown part $part (check modes decode verify prefill spec moe profile sweep sweep_proj flags tiles swiglu matvec_tiles startup autotune ab)"; exit 2 ;;
     esac
 done
