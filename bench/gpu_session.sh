@@ -22,7 +22,8 @@
 #   moe      bench.kernels.moe_micro --many: dense, ragged_dot and the grouped-GEMM tilings
 #   spec     bench.serve.serve spec: the shipped model's speculation at B = 1 and 8, verify dispatches of one
 #            round and of decode_steps 'auto' (8) rounds side by side, against plain decode
-#   profile  bench.profile.engine at B = 1 (decode, K = 8) and a B = 1 verify step (spec_steps 3)
+#   profile  bench.profile.engine at B = 1 (decode, K = 8) and a B = 1 verify step (spec_steps 3), the top 120
+#            kernels of each (every launch of a layer: what the next launch cut is)
 #   startup  bench.serve.startup (make run's job, shipped model, fresh processes: cold, then warm x3) and
 #            bench.serve.serve's startup section (bench preset) with the background warm-up, first as
 #            the steps compile by default, then under --xla_gpu_autotune_level=0 (cold compile cost
@@ -115,8 +116,8 @@ for part in "$@"; do
         spec) run_part spec 400 python -m bench.serve.serve --sections spec --cache-dir "$CACHE" --out "$OUT/spec.md" ;;
         moe) run_part moe 150 python -m bench.kernels.moe_micro --many ;;
         profile)
-            run_part profile_decode 150 python -m bench.profile.engine --batch 1 --hlo-out "$OUT/decode_hlo.txt"
-            run_part profile_verify 150 python -m bench.profile.engine --batch 1 --spec-steps 3 \
+            run_part profile_decode 150 python -m bench.profile.engine --batch 1 --top 120 --hlo-out "$OUT/decode_hlo.txt"
+            run_part profile_verify 150 python -m bench.profile.engine --batch 1 --spec-steps 3 --top 120 \
                 --hlo-out "$OUT/verify_hlo.txt" ;;
         startup)
             run_part startup_make_run 300 python -m bench.serve.startup --cold-runs 1 --warm-runs 3
