@@ -125,6 +125,48 @@ def test_sampled_acceptance_draws_from_the_processed_distribution():
     assert p0[2] == 0 and p1[2] > 0  # min_tokens: the stop id only from the second token on
 
 
+def test_all_greedy_acceptance_skips_the_sort_and_matches_a_mixed_batch():
+    """accept_drafts of an all-greedy batch (the common case) runs no sort over the vocabulary
+    and draws nothing (the filtered distributions sit in a `lax.cond` branch, as sample_tokens'
+    do), and its greedy rows accept and emit exactly what the same rows do beside a sampled row
+    (the branch that runs both rules)."""
+    rng = np.random.RandomState(2)
+    v, n = 12, 4
+    logits = rng.randn(n, 3, v).astype(np.float32)
+    greedy_next = logits.argmax(-1)
+    drafts = np.stack([greedy_next[:, 0], np.where(np.arange(n) % 2, greedy_next[:, 1], (greedy_next[:, 1] + 1) % v)],
+                      axis=1).astype(np.int32)  # every first draft right, every other second draft wrong
+    plans = [ik.SamplingParams(stop_at_eos=False), ik.SamplingParams(temperature=0.8, top_k=5, stop_at_eos=False)]
+
+    def arrays(sps):
+        rows = [RowPlan(tokens=[0], seed=i, sampling=sp, virtual_slot=0, virtual_pages=[], seq_start=0,
+                        stop_ids=[], count_row=0) for i, sp in enumerate(sps)]
+        return SamplingArrays.pack(rows, n, 1, 1)
+
+    args = (np.full(n, 2, np.int32), np.zeros(n, np.int32), np.zeros((1, v), np.int32))
+
+    def unconditional(jaxpr) -> set[str]:
+        """The primitives a run always executes: jaxpr's and its sub-jaxprs' (jit calls, custom
+        derivatives, loops), but not a cond's branches."""
+        names = set()
+        for e in jaxpr.eqns:
+            names.add(e.primitive.name)
+            if e.primitive.name != "cond":
+                for sub in jax.core.jaxprs_in_params(e.params):
+                    names |= unconditional(sub)
+        return names
+
+    all_greedy, mixed = arrays([plans[0]] * n), arrays([plans[0]] * (n - 1) + [plans[1]])
+    names = unconditional(jax.make_jaxpr(accept_drafts)(logits, drafts, all_greedy, *args).jaxpr)
+    assert "cond" in names and "argmax" in names
+    assert not names & {"sort", "random_bits", "random_wrap", "threefry2x32"}, names
+    got = [np.asarray(a) for a in jax.jit(accept_drafts)(logits, drafts, all_greedy, *args)]
+    want = [np.asarray(a) for a in jax.jit(accept_drafts)(logits, drafts, mixed, *args)]
+    assert got[0].tolist() == [1, 2, 1, 2]
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g[:n - 1], w[:n - 1])
+
+
 # ------------------------------------------------------------------ the engine
 
 

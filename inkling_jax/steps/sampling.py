@@ -337,28 +337,38 @@ def accept_drafts(logits: Float[Array, "b s1 v"], drafts: Int[Array, "b s"], sam
     draft_logp = jnp.take_along_axis(logp[:, :s], drafts[:, :, None], axis=-1)[..., 0]  # [B, S]
     proc = processed(logits, sampling, counts, sampling.out_len[:, None] + jnp.arange(s1)[None, :], drafts)
     greedy = jnp.argmax(proc, axis=-1).astype(jnp.int32)  # [B, S+1]
-
     temp = sampling.temperature
-    filt = jax.vmap(filtered_logits, in_axes=(1, None, None, None, None), out_axes=1)(
-        proc, temp, sampling.top_k, sampling.top_p, sampling.min_p)  # [B, S+1, V] filtered, temperature-scaled
-    probs = jax.nn.softmax(filt, axis=-1)
-    p_draft = jnp.take_along_axis(probs[:, :s], drafts[:, :, None], axis=-1)[..., 0]  # [B, S]
-    keys = jax.vmap(lambda sd, pos: jax.random.fold_in(jax.random.key(sd.astype(jnp.uint32)), pos))(
-        sampling.seed, position)
-    u = jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, 1 << 20), (s,)))(keys)  # [B, S]
-    ok = jnp.where((temp > 0)[:, None], u < p_draft, drafts == greedy[:, :s])
-    n_acc = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)
-    n_acc = jnp.minimum(n_acc, max_accept)
-
-    # the token after the accepted drafts
     rows = jnp.arange(b)
-    row_filt = filt[rows, n_acc]  # [B, V]
-    rejected = jnp.where(n_acc < s, drafts[rows, jnp.minimum(n_acc, s - 1)], -1)
-    residual = jnp.where(jnp.arange(v)[None, :] == rejected[:, None], -jnp.inf, row_filt)
-    # a rejected draft held all the mass (p = 1): nothing left; fall back to the filtered row
-    residual = jnp.where(jnp.any(jnp.isfinite(residual), axis=-1, keepdims=True), residual, row_filt)
-    sampled = jax.vmap(lambda k, a, l: jax.random.categorical(jax.random.fold_in(k, a), l))(keys, n_acc, residual)
-    bonus = jnp.where(temp > 0, sampled.astype(jnp.int32), greedy[rows, n_acc])
+    greedy_ok = drafts == greedy[:, :s]
+
+    def accepted(ok):
+        return jnp.minimum(jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1), max_accept)
+
+    def with_sampled_rows(_):
+        """Both rules: the filtered distributions (a sort over the vocabulary per position), the
+        draws; then the token after the accepted drafts."""
+        filt = jax.vmap(filtered_logits, in_axes=(1, None, None, None, None), out_axes=1)(
+            proc, temp, sampling.top_k, sampling.top_p, sampling.min_p)  # [B, S+1, V] filtered, temperature-scaled
+        probs = jax.nn.softmax(filt, axis=-1)
+        p_draft = jnp.take_along_axis(probs[:, :s], drafts[:, :, None], axis=-1)[..., 0]  # [B, S]
+        keys = jax.vmap(lambda sd, pos: jax.random.fold_in(jax.random.key(sd.astype(jnp.uint32)), pos))(
+            sampling.seed, position)
+        u = jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, 1 << 20), (s,)))(keys)  # [B, S]
+        n_acc = accepted(jnp.where((temp > 0)[:, None], u < p_draft, greedy_ok))
+        row_filt = filt[rows, n_acc]  # [B, V]
+        rejected = jnp.where(n_acc < s, drafts[rows, jnp.minimum(n_acc, s - 1)], -1)
+        residual = jnp.where(jnp.arange(v)[None, :] == rejected[:, None], -jnp.inf, row_filt)
+        # a rejected draft held all the mass (p = 1): nothing left; fall back to the filtered row
+        residual = jnp.where(jnp.any(jnp.isfinite(residual), axis=-1, keepdims=True), residual, row_filt)
+        sampled = jax.vmap(lambda k, a, l: jax.random.categorical(jax.random.fold_in(k, a), l))(keys, n_acc, residual)
+        return n_acc, jnp.where(temp > 0, sampled.astype(jnp.int32), greedy[rows, n_acc])
+
+    def greedy_rows(_):
+        n_acc = accepted(greedy_ok)
+        return n_acc, greedy[rows, n_acc]
+
+    # an all-greedy batch (the common case) skips the sorts and the draws, as sample_tokens does
+    n_acc, bonus = jax.lax.cond(jnp.any(temp > 0), with_sampled_rows, greedy_rows, None)
 
     # an accepted stop token ends the row: it becomes the last token
     stop_ids = sampling.stop_ids
