@@ -42,6 +42,8 @@
 #            tree); ~9 min, one device call
 #   swiglu   as tiles, for a copy of the tree with pallas_kernels/ops.py's LONE_ROW_SWIGLU_KERNEL = True (a
 #            lone row's dense MLP by the mat-vec kernel, off until this part says it pays)
+#   verify_convs  as swiglu, timing verify (B = 1, 8) for a copy with inkling_jax/steps/context.py's
+#            FUSED_DEFERRED_CONVS = True (verify's target pass convs by the conv kernels, computing only)
 #   ab       decode (B = 1, 32, K = 8) of the tree at $AB_BASE (a copy of bench/, inkling_jax/,
 #            pallas_kernels/ of the base commit, e.g. `git archive HEAD bench inkling_jax
 #            pallas_kernels | tar -x -C ab/base`) and of this tree, alternating base / this / base /
@@ -79,22 +81,28 @@ decode_part() {  # name, cache dir: bench.serve.serve decode at B = 1 and 32, K 
         --cache-dir "$2" --out "$OUT/$1.md"
 }
 
-variant_part() {  # name, module file, "NAME=VALUE ...": decode as the library is, then the GPU check of a
-    # copy of the tree whose module globals NAME are set to VALUE, then decode library / copy / library /
-    # copy (the first decode after the ~5-minute check is 5-7 % slow whatever the tree, H100, sessions
-    # 12-13: the library runs once more first); the timings run whatever the check says (its log says)
-    local name=$1 file=$2 settings=$3 tree=/tmp/gpu_session_variant kv
-    decode_part "decode_library" ""
+verify_part() {  # name, cache dir: bench.serve.serve verify at B = 1 and 8 (the library's few-token bound)
+    run_part "$1" 300 python -m bench.serve.serve --sections verify --decode-batches 1,8 --few-token-bounds 0.3333 \
+        --cache-dir "$2" --out "$OUT/$1.md"
+}
+
+variant_part() {  # name, module file, "NAME=VALUE ...", [timing part, default decode_part]: the timing as the
+    # library is, then the GPU check of a copy of the tree whose module globals NAME are set to VALUE, then
+    # the timing library / copy / library / copy (the first decode after the ~5-minute check is 5-7 % slow
+    # whatever the tree, H100, sessions 12-13: the library runs once more first); the timings run whatever
+    # the check says (its log says)
+    local name=$1 file=$2 settings=$3 timing=${4:-decode_part} tree=/tmp/gpu_session_variant kv
+    $timing "time_library" ""
     rm -rf "$tree" && mkdir -p "$tree" && cp -r bench inkling_jax pallas_kernels "$tree"/
     for kv in $settings; do
         sed -i "s/^${kv%%=*} = [A-Za-z0-9_.]*/${kv%%=*} = ${kv#*=}/" "$tree/$file"
         grep -q "^${kv%%=*} = ${kv#*=}\b" "$tree/$file" || { echo "$name: sed $kv in $file failed"; return 1; }
     done
     (cd "$tree" && run_part "${name}_check" 420 python -m bench.check.gpu_check --outputs-out "$OUT/check_$name.json")
-    decode_part decode_after_check ""
-    (cd "$tree" && decode_part "decode_$name" "")
-    decode_part decode_library2 ""
-    (cd "$tree" && decode_part "decode_${name}2" "")
+    $timing time_after_check ""
+    (cd "$tree" && $timing "time_$name" "")
+    $timing time_library2 ""
+    (cd "$tree" && $timing "time_${name}2" "")
 }
 
 for part in "$@"; do
@@ -149,12 +157,14 @@ for part in "$@"; do
             variant_part tiles pallas_kernels/moe/pallas.py "${MATVEC_TILES:?tiles needs MATVEC_TILES, e.g. NUM_WARPS=2}" ;;
         swiglu)  # a lone row's dense MLP by the mat-vec kernel (pallas_kernels/ops.py), checked and timed
             variant_part swiglu pallas_kernels/ops.py "LONE_ROW_SWIGLU_KERNEL=True" ;;
+        verify_convs)  # verify's target pass convs by the kernels (inkling_jax/steps/context.py), checked and timed
+            variant_part verify_convs inkling_jax/steps/context.py "FUSED_DEFERRED_CONVS=True" verify_part ;;
         ab)
             base=$(cd "${AB_BASE:?ab needs AB_BASE, a copy of the base tree}" && pwd)
             for run in 1 2; do
                 (cd "$base" && decode_part "decode_base$run" "$CACHE")
                 decode_part "decode_this$run" "$CACHE"
             done ;;
-        *) echo "unknown part $part (check modes decode verify prefill spec moe profile sweep sweep_proj flags tiles swiglu matvec_tiles startup autotune ab)"; exit 2 ;;
+        *) echo "unknown part $part (check modes decode verify prefill spec moe profile sweep sweep_proj flags tiles swiglu verify_convs matvec_tiles startup autotune ab)"; exit 2 ;;
     esac
 done

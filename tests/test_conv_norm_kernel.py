@@ -25,6 +25,7 @@ import pallas_kernels as pk
 from inkling_jax.cache.layout import ArenaLayout, Field
 from inkling_jax.config import InklingConfig
 from inkling_jax.model import layers
+from inkling_jax.steps import context as step_context
 from pallas_kernels.conv_state import pallas as pconv
 from pallas_kernels.conv_state import ref as ref_conv
 from pallas_kernels.conv_state.ref import PackedRows
@@ -219,8 +220,10 @@ def test_lowers_for_gpu(verify_triton_modules):
 def test_spec_engine_with_fused_norms_matches_jnp(monkeypatch):
     """A speculative engine on the Pallas ops (interpret mode) generates what the jnp engine
     generates, with chain_hidden_post_norm (the MTP depths' chain norm is their block's
-    next_norm, fused into its last conv): prefill chunks of <= 16 tokens and the MTP depths run
-    the fused kernel, verify's deferred target pass the unfused ops. Tokens and drafts equal."""
+    next_norm, fused into its last conv): prefill chunks of <= 16 tokens, the MTP depths and,
+    with `context.FUSED_DEFERRED_CONVS` (switched on here: off by default, its jnp convs are the
+    jnp engine's), verify's deferred target pass (computing only, its window writes queued
+    until the acceptance is known) run the fused kernel. Tokens and drafts equal."""
     from conftest import ENGINE_KW
 
     import inkling_jax as ik
@@ -237,6 +240,7 @@ def test_spec_engine_with_fused_norms_matches_jnp(monkeypatch):
 
     real = pconv.conv_update_residual_norm
     monkeypatch.setattr(pconv, "conv_update_residual_norm", spy)
+    monkeypatch.setattr(step_context, "FUSED_DEFERRED_CONVS", True)
     pk._pallas_ops.cache_clear()
     out = {}
     try:
@@ -252,4 +256,5 @@ def test_spec_engine_with_fused_norms_matches_jnp(monkeypatch):
     finally:
         monkeypatch.undo()
         pk._pallas_ops.cache_clear()
+    assert (1 + 2, cfg.hidden_size) in traced  # the verify step's target pass: 1 row x (1 + 2 drafts)
     assert traced and out[True] == out[False]

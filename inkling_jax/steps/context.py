@@ -44,6 +44,14 @@ class RowMeta:
     physical_track_slot: Int[Array, "b m"]  # checkpoint slots (the sink for unused columns)
 
 
+# Verify's deferred target pass on the Pallas ops: its convs by the conv kernels computing only
+# (the fused conv + residual + norm where the other passes fuse them), the window writes queued as
+# before, instead of the jnp conv, add and norm (three to five launches per conv on a GPU). Off
+# until measured on a GPU beside the GPU check (`bash bench/gpu_session.sh OUT verify_convs`,
+# issue 36: a batch-1 verify step took 615 launches on an H100 against 309 for a decode step)
+FUSED_DEFERRED_CONVS = False
+
+
 class StepContext(L.LayerContext):
     """LayerContext for packed ragged tokens against the serving state (see layers.py).
 
@@ -103,26 +111,61 @@ class StepContext(L.LayerContext):
         if not self.deferred:
             y, self.arena = self.ops.conv_update(self.arena, x, weight, self.meta.rows, active_row, track_row, **kw)
             return y
+        if self.ops.pallas and FUSED_DEFERRED_CONVS:
+            y, self.arena = self.ops.conv_update(self.arena, x, weight, *self._computing_only(active_row), **kw)
+            self._queue_conv_write(stream, x)
+            return y
         window = conv_ref.read_window(self.arena, active_row, f.shape, kw["channels"])
         y = conv_ref.conv_tokens(x, weight, window, self.meta.rows)
         self.pending.append(lambda arena, m: self.ops.conv_write(
             arena, x, window, m.rows, lay.slot_row(m.physical_slot, f), lay.slot_row(m.physical_track_slot, f), **kw))
         return y
 
+    def _computing_only(self, active_row: Array) -> tuple[PackedRows, Array, Array]:
+        """(rows, active_row, track_row) for a conv kernel that computes and writes nothing:
+        every commit length 0 (the active window kept) and every checkpoint aimed at the sink
+        (never written by the kernels). The deferred pass's convs on the Pallas ops: the same
+        kernels as the other passes (one launch per conv, with the residual add and norm where
+        fused), the writes queued for `commit` (FUSED_DEFERRED_CONVS)."""
+        rows = self.meta.rows
+        rows = PackedRows(token_row=rows.token_row, token_offset=rows.token_offset, row_tokens=rows.row_tokens,
+                          has_state=rows.has_state, commit_len=jnp.zeros_like(rows.commit_len),
+                          track_len=rows.track_len)
+        sink = self.layout.slot_row(jnp.zeros_like(self.meta.physical_track_slot), self.fields.conv)
+        return rows, active_row, sink
+
+    def _queue_conv_write(self, stream: str, x: Array) -> None:
+        """Queue stream's window writes for `commit`, reading the old window then: the kernel that
+        computed the conv left the field as it was, so no early read keeps the old arena alive."""
+        lay, f = self.layout, self.fields.conv
+        kw = dict(window_shape=f.shape, channels=self.fields.channels(stream), sink_rows=lay.sink_rows)
+
+        def write(arena: Array, m: RowMeta) -> Array:
+            active_row = lay.slot_row(m.physical_slot, f)
+            window = conv_ref.read_window(arena, active_row, f.shape, kw["channels"])
+            return self.ops.conv_write(arena, x, window, m.rows, active_row, lay.slot_row(m.physical_track_slot, f),
+                                       **kw)
+        self.pending.append(write)
+
     def conv_residual_norm(self, stream: str, a: Array, weight: Array, residual: Array, norm_weight: Array,
                            eps: float) -> tuple[Array, Array]:
         """(x, h) with x = residual + conv(stream, a) and h = rms_norm(x, norm_weight) (read by
         `layers.decoder_layer`): `ops.conv_residual_norm` (on the Pallas ops one kernel on
-        few-token steps), unless the writes are deferred (verify: `conv` with its queued
-        writes, the add and the norm)."""
-        if self.deferred:
+        few-token steps). Deferred writes (verify's target pass): `conv` with its queued writes,
+        the add and the norm; with FUSED_DEFERRED_CONVS on the Pallas ops the same op computing
+        only, its writes queued."""
+        if self.deferred and not (self.ops.pallas and FUSED_DEFERRED_CONVS):
             return super().conv_residual_norm(stream, a, weight, residual, norm_weight, eps)
         with jax.named_scope(f"conv_{stream}_norm"):
             lay, f = self.layout, self.fields.conv
+            active_row = lay.slot_row(self.meta.physical_slot, f)
+            rows, active_row, track_row = (self._computing_only(active_row) if self.deferred else
+                                           (self.meta.rows, active_row, lay.slot_row(self.meta.physical_track_slot, f)))
             x, h, self.arena = self.ops.conv_residual_norm(
-                self.arena, a, weight, self.meta.rows, lay.slot_row(self.meta.physical_slot, f),
-                lay.slot_row(self.meta.physical_track_slot, f), residual, norm_weight, eps=eps, window_shape=f.shape,
-                channels=self.fields.channels(stream), sink_rows=lay.sink_rows)
+                self.arena, a, weight, rows, active_row, track_row, residual, norm_weight, eps=eps,
+                window_shape=f.shape, channels=self.fields.channels(stream), sink_rows=lay.sink_rows)
+            if self.deferred:
+                self._queue_conv_write(stream, a)
             return x, h
 
     # -- attention
