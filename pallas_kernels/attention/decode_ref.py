@@ -37,7 +37,11 @@ kernels (same signatures without `context` and the tuning arguments).
 The bias and the log scaling are rounded as `layers.attention_tables` rounds them (`tables`):
 rel = (r @ rel_proj) accumulated in fp32, rounded to q's dtype, times tau in fp32, rounded
 again; q times tau in fp32, rounded (tau = 1.0 changes nothing). The scores are `ref.attention`'s
-(`layers.attention_core`'s) over two key blocks, the context then the new keys.
+(`layers.attention_core`'s) over one key block: the context keys then the new ones, joined (as
+the flash kernel's caller joins them). Two blocks (the scores joined instead of the keys, the
+two value products added) computed the same up to the fp32 order of that sum, and made the
+CPU step programs slower to compile: `make run`'s extend step 8.2-8.9 s against 5.2-6.6 s with
+one block, its decode step 5.7-6.4 against 4.6-5.1 (BENCHMARKS.md, 2026-12-07, session 14).
 """
 
 from __future__ import annotations
@@ -78,13 +82,16 @@ def page_keys(arena: Array, page_unit_row: Int[Array, "B P"], seq_start: Int[Arr
 def attend(q: Float[Array, "B Q H D"], r: Float[Array, "B Q H R"], rel_proj: Float[Array, "R E"],
            tau: Float[Array, "B Q"], k_new: Array, v_new: Array, q_pos: Int[Array, "B Q"], q_valid: Bool[Array, "B Q"],
            keys: tuple[Array, Array, Array, Array], *, window: int | None) -> Float[Array, "B Q H D"]:
-    """The queries against the context keys `keys` (k, v, pos, valid) and their own new keys:
-    two key blocks of `ref.attention`, the tables from r, rel_proj and tau."""
+    """The queries against the context keys `keys` (k, v, pos, valid) and their own new keys,
+    joined into one key block of `ref.attention` (module docstring); the tables from r,
+    rel_proj and tau."""
     ctx_k, ctx_v, ctx_pos, ctx_valid = keys
     q_pos = q_pos.astype(jnp.int32)
     qs, rel = tables(q, r, rel_proj, tau)
-    return ref.attention(qs, (ctx_k, k_new), (ctx_v, v_new), rel, q_pos, (ctx_pos, q_pos),
-                         (ctx_valid, q_valid.astype(bool)), window=window)
+    return ref.attention(qs, jnp.concatenate([ctx_k.astype(k_new.dtype), k_new], axis=1),
+                         jnp.concatenate([ctx_v.astype(v_new.dtype), v_new], axis=1), rel, q_pos,
+                         jnp.concatenate([ctx_pos.astype(jnp.int32), q_pos], axis=1),
+                         jnp.concatenate([ctx_valid.astype(bool), q_valid.astype(bool)], axis=1), window=window)
 
 
 def ring_attention(q: Float[Array, "B Q H D"], r: Float[Array, "B Q H R"], rel_proj: Float[Array, "R E"],
