@@ -10,6 +10,7 @@ references or the Pallas kernels; the layers read the same `ctx.ops`). Ids here 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any, Callable, no_type_check
@@ -46,7 +47,7 @@ class RowMeta:
 
 # Verify's deferred target pass on the Pallas ops: its convs by the conv kernels computing only
 # (the fused conv + residual + norm where the other passes fuse them), the window writes queued as
-# before, instead of the jnp conv, add and norm (three to five launches per conv on a GPU). Off
+# before, instead of the jnp conv, add and norm (XLA's fusions, their launch count unprofiled). Off
 # until measured on a GPU beside the GPU check (`bash bench/gpu_session.sh OUT verify_convs`,
 # issue 36: a batch-1 verify step took 615 launches on an H100 against 309 for a decode step)
 FUSED_DEFERRED_CONVS = False
@@ -116,10 +117,8 @@ class StepContext(L.LayerContext):
             self._queue_conv_write(stream, x)
             return y
         window = conv_ref.read_window(self.arena, active_row, f.shape, kw["channels"])
-        y = conv_ref.conv_tokens(x, weight, window, self.meta.rows)
-        self.pending.append(lambda arena, m: self.ops.conv_write(
-            arena, x, window, m.rows, lay.slot_row(m.physical_slot, f), lay.slot_row(m.physical_track_slot, f), **kw))
-        return y
+        self._queue_conv_write(stream, x, window)
+        return conv_ref.conv_tokens(x, weight, window, self.meta.rows)
 
     def _computing_only(self, active_row: Array) -> tuple[PackedRows, Array, Array]:
         """(rows, active_row, track_row) for a conv kernel that computes and writes nothing:
@@ -127,24 +126,21 @@ class StepContext(L.LayerContext):
         (never written by the kernels). The deferred pass's convs on the Pallas ops: the same
         kernels as the other passes (one launch per conv, with the residual add and norm where
         fused), the writes queued for `commit` (FUSED_DEFERRED_CONVS)."""
-        rows = self.meta.rows
-        rows = PackedRows(token_row=rows.token_row, token_offset=rows.token_offset, row_tokens=rows.row_tokens,
-                          has_state=rows.has_state, commit_len=jnp.zeros_like(rows.commit_len),
-                          track_len=rows.track_len)
+        rows = dataclasses.replace(self.meta.rows, commit_len=jnp.zeros_like(self.meta.rows.commit_len))
         sink = self.layout.slot_row(jnp.zeros_like(self.meta.physical_track_slot), self.fields.conv)
         return rows, active_row, sink
 
-    def _queue_conv_write(self, stream: str, x: Array) -> None:
-        """Queue stream's window writes for `commit`, reading the old window then: the kernel that
-        computed the conv left the field as it was, so no early read keeps the old arena alive."""
+    def _queue_conv_write(self, stream: str, x: Array, window: Array | None = None) -> None:
+        """Queue stream's window writes for `commit`, from the old window `window` (read before
+        the pass), or read then where None: a kernel that computed the conv computing only left
+        the field as it was, so no early read keeps the old arena alive."""
         lay, f = self.layout, self.fields.conv
         kw = dict(window_shape=f.shape, channels=self.fields.channels(stream), sink_rows=lay.sink_rows)
 
         def write(arena: Array, m: RowMeta) -> Array:
             active_row = lay.slot_row(m.physical_slot, f)
-            window = conv_ref.read_window(arena, active_row, f.shape, kw["channels"])
-            return self.ops.conv_write(arena, x, window, m.rows, active_row, lay.slot_row(m.physical_track_slot, f),
-                                       **kw)
+            old = conv_ref.read_window(arena, active_row, f.shape, kw["channels"]) if window is None else window
+            return self.ops.conv_write(arena, x, old, m.rows, active_row, lay.slot_row(m.physical_track_slot, f), **kw)
         self.pending.append(write)
 
     def conv_residual_norm(self, stream: str, a: Array, weight: Array, residual: Array, norm_weight: Array,

@@ -12,7 +12,7 @@
         experts, shared_w13 [S, h, 2f], shared_w2 [S, f, h], gamma [n, S] the sink weights
         applied when `gated`), the routed and shared rows of each product in one launch
 
-    matvec(x, w) -> x @ w fp32, and swiglu_matvec(x, w13, w2) -> ref.swiglu(x, w13, w2): the same
+    matvec(x, w) -> x @ w fp32 (`_common.matmul`), and swiglu_matvec(x, w13, w2) -> ref.swiglu(x, w13, w2): the same
         kernel with every row through one matrix and no expert ids (a lone token's projections
         and dense MLPs: `pallas_kernels.ops`' matmul and swiglu)
 
@@ -105,7 +105,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jaxtyping import Array, Float, Int
 
-from .._common import pallas_call, pow2_factor, with_ref_vjp
+from .._common import matmul, pallas_call, pow2_factor, with_ref_vjp
 from . import ref
 
 TF = 128  # output columns per program
@@ -256,7 +256,12 @@ def _grouped_matvec_fwd(x, idx, w, *, x_repeat: int = 1, tf: int, bh: int, split
     tf_, bh_, s = plan
     part = _partials(x, idx, w, tf_, bh_, s, num_warps, interpret, x_repeat, num_stages=num_stages,
                      max_unroll=max_unroll)
-    return part[:, 0] if s == 1 else jnp.sum(part, axis=1)
+    return _summed(part)
+
+
+def _summed(part: Array) -> Array:
+    """The partials [m, S, F] of `_partials` summed over the S splits in fp32 (no sum for one)."""
+    return part[:, 0] if part.shape[1] == 1 else jnp.sum(part, axis=1)
 
 
 def grouped_matvec(x: Float[Array, "mx h"], idx: Int[Array, " m"], w: Float[Array, "E h F"], *, x_repeat: int = 1,
@@ -280,27 +285,25 @@ def grouped_matvec(x: Float[Array, "mx h"], idx: Int[Array, " m"], w: Float[Arra
 def _matvec_fwd(x, w, *, tf: int, bh: int, num_warps: int, target_programs: int, interpret: bool) -> Array:
     plan = _plan(x.shape[0], x.shape[1], w.shape[1], tf, bh, None, target_programs)
     if plan is None:
-        return ref.matvec(x, w)
-    part = _partials(x, None, w[None], *plan, num_warps, interpret)
-    return part[:, 0] if plan[2] == 1 else jnp.sum(part, axis=1)
+        return matmul(x, w)
+    return _summed(_partials(x, None, w[None], *plan, num_warps, interpret))
 
 
 def matvec(x: Float[Array, "m h"], w: Float[Array, "h F"], *, tf: int = TF, bh: int = BH, num_warps: int = NUM_WARPS,
            target_programs: int = TARGET_PROGRAMS, interpret: bool = False) -> Float[Array, "m F"]:
-    """y = x @ w.astype(x.dtype), fp32 (`ref.matvec`): grouped_matvec's kernel with every row
-    through the one matrix w and no expert ids (a lone token's projections: constant ids were
-    an array XLA materialised before every launch). Backward: the reference's VJP."""
+    """y = x @ w.astype(x.dtype), fp32 (`_common.matmul`, its reference): grouped_matvec's kernel
+    with every row through the one matrix w and no expert-id input (a lone token's projections:
+    no constant id array for XLA to build before each launch). Backward: the reference's VJP."""
     if x.ndim != 2 or w.ndim != 2 or w.shape[0] != x.shape[1]:
-        return ref.matvec(x, w)
+        return matmul(x, w)
     kw = dict(tf=tf, bh=bh, num_warps=num_warps, target_programs=target_programs, interpret=interpret)
-    return with_ref_vjp(lambda x, w: _matvec_fwd(x, w, **kw), ref.matvec)(x, w)
+    return with_ref_vjp(lambda x, w: _matvec_fwd(x, w, **kw), matmul)(x, w)
 
 
 def _swiglu_fwd(x, w13, w2, up, down, num_warps: int, interpret: bool) -> Array:
     gu_part = _partials(x, None, w13[None], *up, num_warps, interpret)  # [m, S_up, 2f] fp32
     y_part = _partials(gu_part, None, w2[None], *down, num_warps, interpret, act_dtype=x.dtype)
-    y = y_part[:, 0] if down[2] == 1 else jnp.sum(y_part, axis=1)
-    return y.astype(x.dtype)
+    return _summed(y_part).astype(x.dtype)
 
 
 def swiglu_matvec(x: Float[Array, "m h"], w13: Float[Array, "h two_f"], w2: Float[Array, "f h"], *, tf: int = TF,
@@ -320,11 +323,10 @@ def swiglu_matvec(x: Float[Array, "m h"], w13: Float[Array, "h two_f"], w2: Floa
     return with_ref_vjp(lambda *a: _swiglu_fwd(*a, up, down, num_warps, interpret), ref.swiglu)(x, w13, w2)
 
 
-def _expert_outputs(y_part: Array, splits: int, dtype, n: int) -> Array:
+def _expert_outputs(y_part: Array, dtype, n: int) -> Array:
     """The down product's split partials [n * G, S, h] -> each row's output rounded to the
     tokens' dtype, fp32 [n, G, h] (G rows per token)."""
-    y = y_part[:, 0] if splits == 1 else jnp.sum(y_part, axis=1)
-    return y.astype(dtype).astype(jnp.float32).reshape(n, -1, y.shape[-1])
+    return _summed(y_part).astype(dtype).astype(jnp.float32).reshape(n, -1, y_part.shape[-1])
 
 
 def _routed_sum(y: Array, weight: Array) -> Array:
@@ -346,7 +348,7 @@ def _moe_kernel(x, idx, weight, w13, w2, up, down, num_warps: int, interpret: bo
     flat = idx.reshape(n * k).astype(jnp.int32)
     gu_part = _partials(x, flat, w13, *up, num_warps, interpret, x_repeat=k)  # [n * k, S_up, 2f] fp32
     y_part = _partials(gu_part, flat, w2, *down, num_warps, interpret, act_dtype=x.dtype)
-    return _routed_sum(_expert_outputs(y_part, down[2], x.dtype, n), weight).astype(x.dtype)
+    return _routed_sum(_expert_outputs(y_part, x.dtype, n), weight).astype(x.dtype)
 
 
 def moe_experts(x: Float[Array, "n h"], idx: Int[Array, "n k"], weight: Float[Array, "n k"], w13: Array,
@@ -388,7 +390,7 @@ def _joined_kernel(x, idx, weight, w13, w2, shared_w13, shared_w2, gamma, gated:
     gu_part = _partials(x, flat, w13, *up, num_warps, interpret, x_repeat=g, w_extra=shared_w13, group=g)
     y_part = _partials(gu_part, flat, w2, *down, num_warps, interpret, w_extra=shared_w2, group=g,
                        act_dtype=x.dtype, gamma=gamma if gated else None)
-    y = _expert_outputs(y_part, down[2], x.dtype, n)  # [n, G, h] fp32
+    y = _expert_outputs(y_part, x.dtype, n)  # [n, G, h] fp32
     routed = _routed_sum(y, weight).astype(x.dtype).astype(jnp.float32)  # moe_experts' dtype, then experts' add
     return (routed + jnp.sum(y[:, k:], axis=1)).astype(x.dtype)
 

@@ -25,7 +25,6 @@ and the oracle, the fallback and the backward of the kernels in `pallas.py` and 
     grouped_matvec(x, idx, w, x_repeat=1) -> y
         y[i] = x[i // x_repeat] @ w[clip(idx[i], 0, E - 1)] (x's dtype, fp32 accumulation): the
         grouped mat-vec kernel's product
-    matvec(x, w) -> x @ w (x's dtype, fp32 accumulation): `pallas.matvec`'s product
     grouped_matvec_extra(x, idx, w, w_extra, x_repeat, group) -> y
         rows of k routed ids then S experts of w_extra per token (`pallas.moe_experts_with_shared`'s
         products)
@@ -50,12 +49,6 @@ def grouped_matvec(x: Float[Array, "mx h"], idx: Int[Array, " m"], w: Float[Arra
         x = jnp.repeat(x, x_repeat, axis=0)
     ids = jnp.clip(idx, 0, w.shape[0] - 1)
     return jnp.einsum("mh,mhf->mf", x, w[ids].astype(x.dtype), preferred_element_type=jnp.float32)
-
-
-def matvec(x: Float[Array, "m h"], w: Float[Array, "h F"]) -> Float[Array, "m F"]:
-    """x @ w in x's dtype with fp32 accumulation (`pallas.matvec`'s product: grouped_matvec with
-    one matrix)."""
-    return jnp.matmul(x, w.astype(x.dtype), preferred_element_type=jnp.float32)
 
 
 def grouped_matvec_extra(x: Float[Array, "mx h"], idx: Int[Array, " nk"], w: Float[Array, "E h F"],
@@ -251,6 +244,6 @@ def add_shared(routed: Callable, matvec: Callable | None, x: Array, idx: Array, 
     return out.astype(x.dtype)
 
 
-__all__ = ["MOE_IMPLS", "add_shared", "experts", "grouped_matvec", "grouped_matvec_extra", "matvec", "moe_experts",
+__all__ = ["MOE_IMPLS", "add_shared", "experts", "grouped_matvec", "grouped_matvec_extra", "moe_experts",
            "moe_experts_dense", "moe_experts_gather", "moe_experts_ragged", "moe_experts_slices", "shared_experts",
            "swiglu"]
