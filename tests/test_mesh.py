@@ -2,9 +2,9 @@
 sharded reference forward against the single-device one, sharded loading, the memory planner.
 
 Tests named `test_on_mesh_*` need 8 devices. The suite's process has one (conftest starts
-jax first), so `test_mesh_cases_on_8_host_devices` runs them in a subprocess with
-XLA_FLAGS=--xla_force_host_platform_device_count=8; in a process started with 8 devices
-they run directly.
+jax first), so test_mesh_engine.py's `test_mesh_cases_on_8_host_devices` runs them, with
+test_mesh_engine.py's, in one subprocess with XLA_FLAGS=--xla_force_host_platform_device_count=8;
+in a process started with 8 devices they run directly.
 """
 
 from __future__ import annotations
@@ -25,12 +25,7 @@ from inkling_jax import parallel as par
 from inkling_jax.model.params import flat_params, param_shapes
 from inkling_jax.parallel.planner import H200_BYTES, SERVING_MEM_FRACTION, PoolSizes, main as planner_main, plan_memory
 
-from conftest import PARITY_CONFIGS, on_mesh, random_tokens, run_on_mesh_devices
-
-
-
-def test_mesh_cases_on_8_host_devices():
-    run_on_mesh_devices(__file__)
+from conftest import PARITY_CONFIGS, on_mesh, random_tokens
 
 
 # --------------------------------------------------------------- the split (no devices)

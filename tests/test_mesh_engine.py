@@ -4,8 +4,8 @@ decoding and compaction on; params and arena really sharded (shardings, per-devi
 and bytes); no XLA compile after warm-up; read_slot gives the global fields.
 
 Tests named `test_on_mesh_*` need 8 devices. The suite's process has one (conftest starts
-jax first), so `test_mesh_engine_cases_on_8_host_devices` runs all of them in one
-subprocess with XLA_FLAGS=--xla_force_host_platform_device_count=8; in a process started
+jax first), so `test_mesh_cases_on_8_host_devices` runs all of them, and test_mesh.py's, in
+one subprocess with XLA_FLAGS=--xla_force_host_platform_device_count=8; in a process started
 with 8 devices they run directly. The rest run here, on a mesh of the one device.
 """
 
@@ -75,8 +75,9 @@ def _single(spec: int):
 # another order than one device's matmul
 
 
-def test_mesh_engine_cases_on_8_host_devices():
-    run_on_mesh_devices(__file__)
+def test_mesh_cases_on_8_host_devices():
+    """The `test_on_mesh_*` tests of this file and test_mesh.py (conftest.MESH_TEST_FILES)."""
+    run_on_mesh_devices()
 
 
 # ------------------------------------------------------------------- one device
