@@ -318,14 +318,16 @@ on_mesh = pytest.mark.skipif(len(jax.devices()) < MESH_DEVICES,
 
 
 # the files holding `test_on_mesh_*` tests: one 8-device subprocess runs them all (one process's
-# collection, jax start-up and compiled programs, where two subprocesses took 58 + 30 s against
-# 59 s for one, 2026-12-07)
+# collection, jax start-up and compiled programs: 59 s alone where one subprocess per file took
+# 58 + 30 s in make test; ~84 s inside make test, where the other worker shares the cores; 2026-12-07)
 MESH_TEST_FILES = ("test_mesh.py", "test_mesh_engine.py")
 
 
 def run_on_mesh_devices() -> None:
     """Run every `test_on_mesh_*` test of MESH_TEST_FILES in one subprocess with 8 host devices
-    (this process started jax with one), and fail with their output unless every one passed."""
+    (this process started jax with one), and fail with their output unless every one passed
+    and every file had some (a file whose tests lost their `on_mesh` name would otherwise pass
+    unseen)."""
     import subprocess
     import sys
 
@@ -333,12 +335,14 @@ def run_on_mesh_devices() -> None:
         pytest.skip("this process has 8 devices: the test_on_mesh_* tests ran directly")
     here = os.path.dirname(os.path.abspath(__file__))
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=cpu_flags.with_devices(MESH_DEVICES))
-    run = subprocess.run([sys.executable, "-m", "pytest", "-o", "addopts=", "-q", "-x", "-p", "no:cacheprovider",
+    run = subprocess.run([sys.executable, "-m", "pytest", "-o", "addopts=", "-q", "-rp", "-x", "-p", "no:cacheprovider",
                           "-k", "on_mesh", *(os.path.join(here, f) for f in MESH_TEST_FILES)],
                          cwd=os.path.dirname(here), env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
     summary = run.stdout.strip().splitlines()[-1]
     assert " passed" in summary and "skipped" not in summary and "failed" not in summary, summary
+    for f in MESH_TEST_FILES:  # -rp: a "PASSED path::test" line per test
+        assert f"PASSED tests/{f}::test_on_mesh_" in run.stdout, f"no test_on_mesh_* test of {f} ran"
 
 
 @pytest.fixture
