@@ -40,9 +40,7 @@
 #            "TF=256 BH=32", or "MAX_UNROLL=0 NUM_STAGES=3" for the pipelined loop), then decode
 #            library / copy / library / copy (the first run after the check is slow whatever the
 #            tree); ~9 min, one device call
-#   swiglu   as tiles, for a copy of the tree with pallas_kernels/ops.py's LONE_ROW_SWIGLU_KERNEL = True (a
-#            lone row's dense MLP by the mat-vec kernel, off until this part says it pays)
-#   verify_convs  as swiglu, timing verify (B = 1, 8) for a copy with inkling_jax/steps/context.py's
+#   verify_convs  as tiles, timing verify (B = 1, 8) for a copy with inkling_jax/steps/context.py's
 #            FUSED_DEFERRED_CONVS = True (verify's target pass convs by the conv kernels, computing only)
 #   ab       decode (B = 1, 32, K = 8) of the tree at $AB_BASE (a copy of bench/, inkling_jax/,
 #            pallas_kernels/ of the base commit, e.g. `git archive HEAD bench inkling_jax
@@ -155,8 +153,6 @@ for part in "$@"; do
             # checked and timed in a copy of the tree against decode as the library is: adopt only if
             # the check passes (a new tiling sums the fp32 products in another order)
             variant_part tiles pallas_kernels/moe/pallas.py "${MATVEC_TILES:?tiles needs MATVEC_TILES, e.g. NUM_WARPS=2}" ;;
-        swiglu)  # a lone row's dense MLP by the mat-vec kernel (pallas_kernels/ops.py), checked and timed
-            variant_part swiglu pallas_kernels/ops.py "LONE_ROW_SWIGLU_KERNEL=True" ;;
         verify_convs)  # verify's target pass convs by the kernels (inkling_jax/steps/context.py), checked and timed
             variant_part verify_convs inkling_jax/steps/context.py "FUSED_DEFERRED_CONVS=True" verify_part ;;
         ab)
@@ -165,6 +161,6 @@ for part in "$@"; do
                 (cd "$base" && decode_part "decode_base$run" "$CACHE")
                 decode_part "decode_this$run" "$CACHE"
             done ;;
-        *) echo "unknown part $part (check modes decode verify prefill spec moe profile sweep sweep_proj flags tiles swiglu verify_convs matvec_tiles startup autotune ab)"; exit 2 ;;
+        *) echo "unknown part $part (check modes decode verify prefill spec moe profile sweep sweep_proj flags tiles verify_convs matvec_tiles startup autotune ab)"; exit 2 ;;
     esac
 done

@@ -16,10 +16,6 @@ of either record is a function; the fields and their Pallas choices:
                          the add and the norm
     matmul(x, w)         x @ w, fp32 (the attention block's projections): a lone row through
                          the mat-vec kernel (`moe.pallas.matvec`), more rows XLA's product
-    swiglu(x, w13, w2)   a dense SwiGLU MLP (the dense layers, the MTP blocks): with
-                         LONE_ROW_SWIGLU_KERNEL (off until measured) a lone row through
-                         `moe.pallas.swiglu_matvec` (two mat-vec launches, the activation
-                         inside the second); otherwise XLA's products
     qk_norm              the per-head q / k RMSNorms: the kernel up to QK_NORM_MAX_TOKENS tokens
     router_epilogue      the router after its matmul: the kernel for the sigmoid +
                          norm_after_topk routers, the reference for the others
@@ -75,13 +71,6 @@ QK_NORM_MAX_TOKENS = 256
 # bench width, so the fused kernel's one token per program gives up nothing here; above, unmeasured)
 FUSED_CONV_NORM_MAX_TOKENS = 64
 
-# swiglu: a lone row through `moe.pallas.swiglu_matvec` (two mat-vec launches) instead of XLA's
-# products of the row padded to two. Off until measured in the engine loop on a GPU, side by side
-# with the GPU check (its fp32 sums meet in another order than XLA's): `bash bench/gpu_session.sh
-# OUT swiglu` (issue 36; the dense MLPs took 76 us of a 1.34 ms batch-1 step on an H100, ~1.3
-# TB/s, where the experts' mat-vecs reach 1.6-1.9)
-LONE_ROW_SWIGLU_KERNEL = False
-
 # ring / paged attention: query rows per row from which the context is gathered and the flash
 # kernel runs (prefill, extend); below, the decode kernels read the arena in place
 FUSED_ATTENTION_MIN_QUERY = 32
@@ -98,7 +87,6 @@ class KernelOps:
     copy_units: Callable  # slot_ops.ref.copy_units
     clear_units: Callable  # slot_ops.ref.clear_units
     matmul: Callable  # _common.matmul: x @ w, fp32 (the attention block's projections)
-    swiglu: Callable  # moe.ref.swiglu: a dense SwiGLU MLP (the dense layers, the MTP blocks)
     qk_norm: Callable  # norm.ref.qk_norm: the attention block's per-head q / k RMSNorms
     router_epilogue: Callable  # moe.router.router_epilogue_ref: the router after its matmul
     experts: Callable  # moe.ref.experts: the routed (+ shared) experts of a MoE layer
@@ -111,7 +99,7 @@ class KernelOps:
 REFERENCE_OPS = KernelOps(
     conv_update=conv_state.ref.conv_update, conv_write=conv_state.ref.conv_write,
     conv_residual_norm=conv_state.ref.conv_update_residual_norm, copy_units=slot_ops.ref.copy_units,
-    clear_units=slot_ops.ref.clear_units, matmul=_common.matmul, swiglu=moe.ref.swiglu, qk_norm=norm.ref.qk_norm,
+    clear_units=slot_ops.ref.clear_units, matmul=_common.matmul, qk_norm=norm.ref.qk_norm,
     router_epilogue=moe.router.router_epilogue_ref, experts=moe.ref.experts,
     ring_attention=attention.decode_ref.ring_attention, paged_attention=attention.decode_ref.paged_attention)
 
@@ -139,7 +127,6 @@ def pallas_ops(interpret: bool, many_token_experts: Callable | None = None) -> K
     copy_k, clear_k = jitted(slot_ops.pallas.copy_units, *units), jitted(slot_ops.pallas.clear_units, *units)
     matvec_k = jitted(moe.pallas.grouped_matvec, "x_repeat", *matvec_tiles)
     lone_row_k = jitted(moe.pallas.matvec, "tf", "bh", "num_warps", "target_programs")
-    swiglu_k = jitted(moe.pallas.swiglu_matvec, "tf", "bh", "num_warps", "target_programs")
     few_k = jitted(moe.pallas.moe_experts, *matvec_tiles)
     joined_k = jitted(moe.pallas.moe_experts_with_shared, "gated", *matvec_tiles)
     many_k = many_token_experts or jitted(moe.grouped.moe_experts_grouped, "bm", "bn", "bk", "num_warps",
@@ -178,13 +165,6 @@ def pallas_ops(interpret: bool, many_token_experts: Callable | None = None) -> K
         if w.ndim == 2 and math.prod(x.shape[:-1]) == 1:
             return lone_row_k(x.reshape(1, -1), w).reshape(*x.shape[:-1], w.shape[-1])
         return _common.matmul(x, w)
-
-    def swiglu(x, w13, w2):
-        # a lone row: two mat-vec launches, the down product computing the activation in its
-        # loads, where XLA's GEMMs needed the row padded to two, a slice and an activation launch
-        if LONE_ROW_SWIGLU_KERNEL and w13.ndim == 2 and math.prod(x.shape[:-1]) == 1:
-            return swiglu_k(x.reshape(1, -1), w13, w2).reshape(x.shape)
-        return moe.ref.swiglu(x, w13, w2)
 
     def qk_norm(q, kv, q_weight, k_weight, *, num_heads, num_kv_heads, head_dim, eps):
         fn = qk_norm_k if q.shape[0] <= QK_NORM_MAX_TOKENS else norm.ref.qk_norm
@@ -238,11 +218,10 @@ def pallas_ops(interpret: bool, many_token_experts: Callable | None = None) -> K
         return flash(q, r, rel_proj, tau, k_new, v_new, q_pos, q_valid, keys, window)
 
     return KernelOps(conv_update=conv_update, conv_write=conv_write, conv_residual_norm=conv_residual_norm,
-                     copy_units=copy_units, clear_units=clear_units, matmul=matmul, swiglu=swiglu, qk_norm=qk_norm,
+                     copy_units=copy_units, clear_units=clear_units, matmul=matmul, qk_norm=qk_norm,
                      router_epilogue=router_epilogue, experts=experts, ring_attention=ring_attention,
                      paged_attention=paged_attention, pallas=True, interpret=interpret)
 
 
 __all__ = ["FEW_TOKEN_KERNEL_CHOICES_PER_EXPERT", "FUSED_ATTENTION_MIN_QUERY", "FUSED_CONV_NORM_MAX_TOKENS",
-           "GROUPED_MIN_CHOICES_PER_EXPERT", "KernelOps", "LONE_ROW_SWIGLU_KERNEL", "QK_NORM_MAX_TOKENS",
-           "REFERENCE_OPS", "pallas_ops"]
+           "GROUPED_MIN_CHOICES_PER_EXPERT", "KernelOps", "QK_NORM_MAX_TOKENS", "REFERENCE_OPS", "pallas_ops"]

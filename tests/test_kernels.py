@@ -571,19 +571,16 @@ def test_engine_with_pallas_kernels_matches_jnp(trunk_params, monkeypatch):
     queries) and the grouped-GEMM experts (`KernelOps.experts` for many tokens; their threshold
     lowered to 8 choices per expert so the tiny model's 32-token step reaches it), and whose
     batch-1 decode steps take the few-token MoE kernel (`KernelOps.experts`: the routed and
-    shared experts in one launch per product; `KernelOps.matmul` and `KernelOps.swiglu` (its
-    kernel switched on here) the mat-vec kernel without expert ids for the attention projections
-    and the dense MLP) and the
-    decode attention kernels, which read the sliding rings and
-    the pages in place (`KernelOps.ring_attention` / `paged_attention` for fewer queries; pages
-    of 16 tokens so the paged kernel, not its fallback, runs), over checkpoint boundaries; both
-    phases route through the router's epilogue kernel. Tokens equal; log-probs within 1e-5 (the
-    kernels sum in other orders than XLA)."""
+    shared experts in one launch per product; `KernelOps.matmul` the mat-vec kernel without
+    expert ids for the attention projections) and the decode attention kernels, which read the
+    sliding rings and the pages in place (`KernelOps.ring_attention` / `paged_attention` for
+    fewer queries; pages of 16 tokens so the paged kernel, not its fallback, runs), over
+    checkpoint boundaries; both phases route through the router's epilogue kernel. Tokens equal;
+    log-probs within 1e-5 (the kernels sum in other orders than XLA)."""
     prompt = list(np.random.RandomState(8).randint(3, TRUNK.unpadded_vocab_size, 40))
     kw = {**ENGINE_KW, "max_running": 1, "min_batch_bucket": 1, "chunk_size": 64, "max_step_tokens": 64,
           "page_size": 16, "track_interval": 16}
-    out, traced = {}, {"experts": [], "attention": [], "in_place": [], "matvec": [], "swiglu": [], "router": [],
-                       "joined": []}
+    out, traced = {}, {"experts": [], "attention": [], "in_place": [], "matvec": [], "router": [], "joined": []}
 
     def spy(name, kernel):
         def fn(x, *a, **k):  # runs when the step is traced
@@ -595,11 +592,9 @@ def test_engine_with_pallas_kernels_matches_jnp(trunk_params, monkeypatch):
     monkeypatch.setattr(pk.attention.pallas, "attention", spy("attention", pk.attention.pallas.attention))
     monkeypatch.setattr(pk.attention.decode, "_decode_call", spy("in_place", pk.attention.decode._decode_call))
     monkeypatch.setattr(pk.moe.pallas, "matvec", spy("matvec", pk.moe.pallas.matvec))
-    monkeypatch.setattr(pk.moe.pallas, "swiglu_matvec", spy("swiglu", pk.moe.pallas.swiglu_matvec))
     monkeypatch.setattr(pk.moe.router, "router_epilogue", spy("router", pk.moe.router.router_epilogue))
     monkeypatch.setattr(pk.moe.pallas, "moe_experts_with_shared", spy("joined", pk.moe.pallas.moe_experts_with_shared))
     monkeypatch.setattr(pk.ops, "GROUPED_MIN_CHOICES_PER_EXPERT", 8)
-    monkeypatch.setattr(pk.ops, "LONE_ROW_SWIGLU_KERNEL", True)
     pk._pallas_ops.cache_clear()  # the ops pick the spies up
     try:
         for pallas in (False, True):
@@ -617,10 +612,8 @@ def test_engine_with_pallas_kernels_matches_jnp(trunk_params, monkeypatch):
     assert traced["experts"] and min(s[0] for s in traced["experts"]) * TRUNK.num_experts_per_tok >= 8 * 8
     assert len(traced["attention"]) == 2 and traced["attention"][0][1] >= 32  # traced once per window kind
     assert None in traced["in_place"] and any(r is not None for r in traced["in_place"])  # paged and ring kernels
-    # one token's routed and shared experts in one launch per product, its attention projections
-    # and its dense MLP
-    assert (1, TRUNK.hidden_size) in traced["joined"]
-    assert (1, TRUNK.hidden_size) in traced["matvec"] and (1, TRUNK.hidden_size) in traced["swiglu"]
+    # one token's routed and shared experts in one launch per product, and its attention projections
+    assert (1, TRUNK.hidden_size) in traced["joined"] and (1, TRUNK.hidden_size) in traced["matvec"]
     width = TRUNK.n_routed_experts + TRUNK.n_shared_experts
     assert (1, width) in traced["router"] and any(n > 1 for n, _ in traced["router"])  # decode and prefill
     assert out[True][0] == out[False][0]

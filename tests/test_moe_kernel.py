@@ -387,67 +387,42 @@ def test_experts_op_joins_the_few_token_kernels(monkeypatch, dtype):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
-def test_lone_row_ops_take_the_matvec_kernel_without_ids(monkeypatch, dtype):
-    """The Pallas matmul and swiglu ops (the attention projections, the dense MLPs; swiglu's
-    kernel behind `ops.LONE_ROW_SWIGLU_KERNEL`) run a lone row, whatever its leading shape,
-    through `moe.matvec` / `moe.swiglu_matvec` (the mat-vec kernel with no expert-id input):
-    matmul equals grouped_matvec with id 0 bit for bit (the same plan and sums); swiglu is the
-    jnp SwiGLU within float tolerance (fp32 within 1e-5 of the output's scale; bf16 within one
-    rounding of the activation or the output) and `moe_experts` with one expert of weight 1 bit
-    for bit. Two rows or more: the jnp ops themselves, bit for bit."""
-    monkeypatch.setattr(pk.ops, "LONE_ROW_SWIGLU_KERNEL", True)
+def test_lone_row_matmul_takes_the_matvec_kernel_without_ids(monkeypatch, dtype):
+    """The Pallas matmul op (the attention projections) runs a lone row, whatever its leading
+    shape, through `moe.matvec` (the mat-vec kernel with no expert-id input): grouped_matvec
+    with id 0 bit for bit (the same plan and sums). Two rows or more: the jnp product itself,
+    bit for bit."""
     rng = np.random.default_rng(81)
-    h, f = 64, 96  # f: a 32-row block of the down product (pow2 factor of 96), 64 columns of gate|up
-    w13, w2 = rand(rng, (h, 2 * f), dtype, 0.2), rand(rng, (f, h), dtype, 0.2)
+    h, f = 64, 192
+    w = rand(rng, (h, f), dtype, 0.2)
     calls = []
-    spied_ops(monkeypatch, calls, matvec=moe, swiglu_matvec=moe)
-    zero, one = jnp.zeros((1, 1), jnp.int32), jnp.ones((1, 1), jnp.float32)
+    spied_ops(monkeypatch, calls, matvec=moe)
+    zero = jnp.zeros((1,), jnp.int32)
     for shape in [(1, h), (1, 1, h)]:
-        ops = pk.ops.pallas_ops(INTERPRET)  # fresh jits: each shape traces the spied kernels again
+        ops = pk.ops.pallas_ops(INTERPRET)  # fresh jits: each shape traces the spied kernel again
         x = rand(rng, shape, dtype)
-        got, want, experts, mm, grouped = jax.jit(lambda x, a, b: (
-            ops.swiglu(x, a, b), moe_ref.swiglu(x, a, b),
-            moe.moe_experts(x.reshape(1, -1), zero, one, a[None], b[None], interpret=INTERPRET),
-            ops.matmul(x, a), moe.grouped_matvec(x.reshape(1, -1), zero[0], a[None], interpret=INTERPRET)))(
-            x, w13, w2)
-        assert sorted(calls) == [("matvec", 1), ("swiglu_matvec", 1)] and got.shape == shape and got.dtype == dtype
+        mm, grouped = jax.jit(lambda x, w: (
+            ops.matmul(x, w), moe.grouped_matvec(x.reshape(1, -1), zero, w[None], interpret=INTERPRET)))(x, w)
+        assert calls == [("matvec", 1)] and mm.shape == (*shape[:-1], f) and mm.dtype == jnp.float32
         calls.clear()
-        scale = float(np.abs(np.asarray(want, np.float32)).max())
-        close(got, want, rtol=0, atol=(1e-5 if dtype == jnp.float32 else 2 ** -7) * scale)
-        np.testing.assert_array_equal(np.asarray(got.reshape(1, -1), np.float32), np.asarray(experts, np.float32))
         np.testing.assert_array_equal(np.asarray(mm.reshape(1, -1)), np.asarray(grouped))
     x = rand(rng, (2, 1, h), dtype)
-    got, want, mm = jax.jit(lambda x, a, b: (ops.swiglu(x, a, b), moe_ref.swiglu(x, a, b), ops.matmul(x, a)))(
-        x, w13, w2)
+    mm = jax.jit(ops.matmul)(x, w)
     assert calls == []
-    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
-    np.testing.assert_array_equal(np.asarray(mm), np.asarray(pk._common.matmul(x, w13)))
+    np.testing.assert_array_equal(np.asarray(mm), np.asarray(pk._common.matmul(x, w)))
 
 
-def test_swiglu_kernel_is_off_by_default(monkeypatch):
-    """Until measured on a GPU (`bench/gpu_session.sh OUT swiglu`), the swiglu op runs XLA's
-    products for a lone row too: the jnp SwiGLU bit for bit, no kernel traced."""
-    assert pk.ops.LONE_ROW_SWIGLU_KERNEL is False
-    calls = []
-    ops = spied_ops(monkeypatch, calls, swiglu_matvec=moe)
-    rng = np.random.default_rng(83)
-    x, w13, w2 = rand(rng, (1, 64)), rand(rng, (64, 64), scale=0.2), rand(rng, (32, 64), scale=0.2)
-    got, want = jax.jit(lambda *a: (ops.swiglu(*a), moe_ref.swiglu(*a)))(x, w13, w2)
-    assert calls == []
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-
-
-def test_matvec_kernels_fall_back_and_differentiate():
-    """matvec / swiglu_matvec on shapes the kernel cannot tile (a 24-wide output: pow2 factor 8
-    < MIN_TILE) return the reference's values; gradients are the reference's VJP."""
+def test_matvec_kernel_falls_back_and_differentiates():
+    """matvec on a shape the kernel cannot tile (a 24-wide output: pow2 factor 8 < MIN_TILE)
+    returns the reference's values; on one it tiles, its gradients are the reference's VJP."""
     rng = np.random.default_rng(82)
-    x, w, w13, w2 = (rand(rng, s, jnp.float32, 0.3) for s in [(1, 64), (64, 24), (64, 64), (32, 64)])
+    x, w, w64 = (rand(rng, s, jnp.float32, 0.3) for s in [(1, 64), (64, 24), (64, 64)])
     got, want = jax.jit(lambda x, w: (moe.matvec(x, w, interpret=INTERPRET), pk._common.matmul(x, w)))(x, w)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-    loss = lambda fn: (lambda x, a, b: jnp.sum(fn(x, a, b) ** 2))  # noqa: E731
-    kernel = partial(moe.swiglu_matvec, interpret=INTERPRET)
-    g_kernel, g_ref = jax.jit(lambda *a: (jax.grad(loss(kernel), (0, 1, 2))(*a),
-                                          jax.grad(loss(moe_ref.swiglu), (0, 1, 2))(*a)))(x, w13, w2)
+    loss = lambda fn: (lambda x, w: jnp.sum(fn(x, w) ** 2))  # noqa: E731
+    kernel = partial(moe.matvec, interpret=INTERPRET)
+    g_kernel, g_ref = jax.jit(lambda *a: (jax.grad(loss(kernel), (0, 1))(*a),
+                                          jax.grad(loss(pk._common.matmul), (0, 1))(*a)))(x, w64)
     for a, b in zip(g_kernel, g_ref):
         close(a, b, rtol=1e-4, atol=1e-5)
 
@@ -485,9 +460,7 @@ def test_moe_lowers_for_gpu(verify_triton_modules):
     # the bench model's shared experts: one token's row read for its S = 2 experts in place
     lower(lambda x, i, w: moe.grouped_matvec(x, i, w, x_repeat=2), sds((1, 2048), bf), sds((2,), i32),
           sds((2, 2048, 2048), bf))
-    # one token's dense MLP (`ops.swiglu`) and its wqkvr projection (`ops.matmul`): no expert ids
-    lower(lambda x, a, b: moe.swiglu_matvec(x, a, b), sds((1, 2048), bf), sds((2048, 16384), bf),
-          sds((8192, 2048), bf))
+    # one token's wqkvr projection (`ops.matmul`): no expert ids
     lower(lambda x, w: moe.matvec(x, w), sds((1, 2048), bf), sds((2048, 3328), bf))
 
 

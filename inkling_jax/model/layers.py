@@ -13,9 +13,9 @@ Every other attribute has a default on `LayerContext`, which contexts subclass:
 
     ctx.ops                 the kernel seam, a `pallas_kernels.KernelOps` (default: the jnp
                             `REFERENCE_OPS`): the layers call `ops.matmul` (the attention
-                            projections), `ops.qk_norm`, `ops.swiglu` (the dense MLPs), and
-                            through `moe.py` `ops.router_epilogue` and `ops.experts`; the
-                            Pallas ops pick their kernels by size themselves
+                            projections), `ops.qk_norm`, and through `moe.py`
+                            `ops.router_epilogue` and `ops.experts`; the Pallas ops pick their
+                            kernels by size themselves
     ctx.conv_residual_norm(stream, a, weight, x, norm_weight, eps) -> (x + conv(a), its rms_norm):
                             a residual conv and the norm after it (default: the conv, the add
                             and the norm; the serving steps: `ops.conv_residual_norm`, one
@@ -43,8 +43,8 @@ single-device one.
 
 The jnp arithmetic shared with the kernels lives in `pallas_kernels` and is imported here:
 `rms_norm` and `matmul` (`pallas_kernels._common`), `conv_from_taps` (`conv_state.ref`), the
-attention's scores and softmax (`attention.ref`). Numerics follow
-`reference/inkling-model.md` §7: matmuls accumulate in fp32 and return the activation dtype;
+attention's scores and softmax (`attention.ref`); so is the dense MLP's `swiglu` (`moe.ref`).
+Numerics follow `reference/inkling-model.md` §7: matmuls accumulate in fp32 and return the activation dtype;
 norms, the router, SwiGLU, conv accumulation, softmax and log scaling run in fp32.
 """
 
@@ -60,6 +60,7 @@ from pallas_kernels import REFERENCE_OPS, KernelOps
 from pallas_kernels._common import matmul, rms_norm
 from pallas_kernels.attention import ref as attention_ref
 from pallas_kernels.conv_state.ref import conv_from_taps
+from pallas_kernels.moe.ref import swiglu
 
 from ..config import AttentionGeometry, InklingConfig
 from . import moe
@@ -247,12 +248,11 @@ def attention_block(p: Params, cfg: InklingConfig, geom: AttentionGeometry, x: A
 
 
 @jax.named_scope("dense_mlp")
-def dense_mlp(p: Params, cfg: InklingConfig, x: Array, parallel: "ParallelAxes | None" = None,
-              ops: KernelOps = REFERENCE_OPS) -> Array:
-    """The dense SwiGLU MLP (`ops.swiglu`: down(silu(gate) * up), SwiGLU in fp32), times
+def dense_mlp(p: Params, cfg: InklingConfig, x: Array, parallel: "ParallelAxes | None" = None) -> Array:
+    """The dense SwiGLU MLP (`moe.ref.swiglu`: down(silu(gate) * up), SwiGLU in fp32), times
     global_scale where the layer has one."""
     with jax.named_scope("swiglu"):
-        out = tp_psum(ops.swiglu(x, p["w13"], p["w2"]), parallel)
+        out = tp_psum(swiglu(x, p["w13"], p["w2"]), parallel)
     if "global_scale" in p:
         out = (out.astype(jnp.float32) * p["global_scale"].astype(jnp.float32)).astype(x.dtype)
     return out
@@ -261,7 +261,7 @@ def dense_mlp(p: Params, cfg: InklingConfig, x: Array, parallel: "ParallelAxes |
 def mlp(p: Params, cfg: InklingConfig, dense: bool, x: Array, ops: KernelOps = REFERENCE_OPS,
         parallel: "ParallelAxes | None" = None) -> Array:
     if dense:
-        return dense_mlp(p, cfg, x, parallel, ops)
+        return dense_mlp(p, cfg, x, parallel)
     return moe.moe_mlp(p, cfg, x, ops, parallel)
 
 

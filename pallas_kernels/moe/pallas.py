@@ -12,9 +12,8 @@
         experts, shared_w13 [S, h, 2f], shared_w2 [S, f, h], gamma [n, S] the sink weights
         applied when `gated`), the routed and shared rows of each product in one launch
 
-    matvec(x, w) -> x @ w fp32 (`_common.matmul`), and swiglu_matvec(x, w13, w2) -> ref.swiglu(x, w13, w2): the same
-        kernel with every row through one matrix and no expert ids (a lone token's projections
-        and dense MLPs: `pallas_kernels.ops`' matmul and swiglu)
+    matvec(x, w) -> x @ w fp32 (`_common.matmul`): the same kernel with every row through one
+        matrix and no expert ids (a lone token's projections: `pallas_kernels.ops`' matmul)
 
 All take `interpret` (CPU tests: `interpret=True`), and each has a `jax.custom_vjp` whose
 backward is its reference's VJP (`ref.py`).
@@ -300,29 +299,6 @@ def matvec(x: Float[Array, "m h"], w: Float[Array, "h F"], *, tf: int = TF, bh: 
     return with_ref_vjp(lambda x, w: _matvec_fwd(x, w, **kw), matmul)(x, w)
 
 
-def _swiglu_fwd(x, w13, w2, up, down, num_warps: int, interpret: bool) -> Array:
-    gu_part = _partials(x, None, w13[None], *up, num_warps, interpret)  # [m, S_up, 2f] fp32
-    y_part = _partials(gu_part, None, w2[None], *down, num_warps, interpret, act_dtype=x.dtype)
-    return _summed(y_part).astype(x.dtype)
-
-
-def swiglu_matvec(x: Float[Array, "m h"], w13: Float[Array, "h two_f"], w2: Float[Array, "f h"], *, tf: int = TF,
-                  bh: int = BH, num_warps: int = NUM_WARPS, target_programs: int = TARGET_PROGRAMS,
-                  interpret: bool = False) -> Float[Array, "m h"]:
-    """`ref.swiglu` (a dense SwiGLU MLP: down(silu(gate) * up), act and output rounded to x's
-    dtype) for a few rows in two launches of the mat-vec kernel: the gate|up product's split
-    partials, then the down product computing act in its loads (the act prologue, as the
-    experts' kernel), no expert ids; backward: the reference's VJP."""
-    ok = x.ndim == 2 and w13.ndim == 2 and w2.ndim == 2 and w13.shape[0] == x.shape[1] and w13.shape[1] % 2 == 0 \
-        and w2.shape == (w13.shape[1] // 2, x.shape[1])
-    sizes = dict(tf=tf, bh=bh, splits=None, target_programs=target_programs)
-    up = _plan(x.shape[0], x.shape[1], w13.shape[1], **sizes) if ok else None
-    down = _plan(x.shape[0], w2.shape[0], w2.shape[1], **sizes) if ok else None
-    if up is None or down is None:
-        return ref.swiglu(x, w13, w2)
-    return with_ref_vjp(lambda *a: _swiglu_fwd(*a, up, down, num_warps, interpret), ref.swiglu)(x, w13, w2)
-
-
 def _expert_outputs(y_part: Array, dtype, n: int) -> Array:
     """The down product's split partials [n * G, S, h] -> each row's output rounded to the
     tokens' dtype, fp32 [n, G, h] (G rows per token)."""
@@ -428,4 +404,4 @@ def moe_experts_with_shared(x: Float[Array, "n h"], idx: Int[Array, "n k"], weig
     return with_ref_vjp(kernel_fn, ref_fn)(*args)
 
 
-__all__ = ["grid_for", "grouped_matvec", "matvec", "moe_experts", "moe_experts_with_shared", "swiglu_matvec"]
+__all__ = ["grid_for", "grouped_matvec", "matvec", "moe_experts", "moe_experts_with_shared"]
