@@ -373,11 +373,15 @@ def verify_triton_modules(monkeypatch):
 # With `--dist loadfile` (make test) a file runs whole on one worker, and xdist queues the
 # files with the most tests first: the 8-device mesh subprocess, the notebooks and the fuzz
 # run (few tests, minutes each) came last, and one worker ran them alone while the other
-# idled. Longest first (then xdist's order) balances the two workers. Measured with
-# --durations on 2 workers; a file missing here only runs later, nothing is skipped.
-LONGEST_FILES = ("test_mesh_engine.py", "test_engine.py", "test_notebooks.py", "test_programs.py",
-                 "test_fuzz_modes.py", "test_spec.py", "test_kernels.py", "test_conv_norm_kernel.py",
-                 "test_cli.py", "test_prefix_cache.py", "test_model.py", "test_processors.py")
+# idled. Longest first (then xdist's order) balances the two workers: every file of >= 10 s
+# in make test's run (2026-12-08, per-test start / end times on 2 workers), so that the last
+# files a worker takes are short ones; a file missing here only runs later, nothing is skipped.
+LONGEST_FILES = ("test_mesh_engine.py", "test_notebooks.py", "test_spec.py", "test_cli.py", "test_fuzz_modes.py",
+                 "test_programs.py", "test_kernels.py", "test_conv_norm_kernel.py", "test_engine.py", "test_train.py",
+                 "test_fault_isolation.py", "test_model.py", "test_processors.py", "test_prefix_cache.py",
+                 "test_docs.py", "test_moe_kernel.py", "test_bench_smoke.py", "test_decode_attention.py",
+                 "test_model_hf.py", "test_host_policy.py", "test_failures.py", "test_persist.py",
+                 "test_router_kernel.py", "test_harness.py")
 
 
 def pytest_collection_modifyitems(config, items):
