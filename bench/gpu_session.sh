@@ -46,7 +46,10 @@
 #            pallas_kernels/ of the base commit, e.g. `git archive HEAD bench inkling_jax
 #            pallas_kernels | tar -x -C ab/base`) and of this tree, alternating base / this / base /
 #            this on one warm machine, one compilation cache (keyed by the programs: the trees' steps
-#            do not mix); run it before `check`, whose first decode after it is 5-7 % slow
+#            do not mix); the first decode after `check` is 5-7 % slow, the second alternation is the
+#            clean one. AB_TIMING=verify_part times the verify section instead (B = 1, 8: single-step
+#            decode and verify dispatches): e.g. against 632bd93, whose batch-1 decode dispatch took
+#            2.79 ms on 2026-12-06 where fcd42cf's and 7777748's took 3.9-4.1 ms (H100)
 # Every part's command is printed before it runs; a part that fails or times out is reported
 # and the next one runs. bench.serve.serve's compiles go to the persistent cache $GPU_SESSION_CACHE
 # (default /tmp/gpu_session_cache): later parts and calls on a warm machine reuse them.
@@ -157,9 +160,10 @@ for part in "$@"; do
             variant_part verify_convs inkling_jax/steps/context.py "FUSED_DEFERRED_CONVS=True" verify_part ;;
         ab)
             base=$(cd "${AB_BASE:?ab needs AB_BASE, a copy of the base tree}" && pwd)
+            timing=${AB_TIMING:-decode_part}  # or verify_part: the single-step dispatches of the verify section
             for run in 1 2; do
-                (cd "$base" && decode_part "decode_base$run" "$CACHE")
-                decode_part "decode_this$run" "$CACHE"
+                (cd "$base" && $timing "${timing%_part}_base$run" "$CACHE")
+                $timing "${timing%_part}_this$run" "$CACHE"
             done ;;
         *) echo "unknown part $part (check modes decode verify prefill spec moe profile sweep sweep_proj flags tiles verify_convs matvec_tiles startup autotune ab)"; exit 2 ;;
     esac
