@@ -526,10 +526,13 @@ class Engine:
             self._apply_pool()
 
     def _fetch(self, out: StepOutput) -> HostOutputs:
-        """The step's outputs on the host (the one device-to-host transfer of a step)."""
-        return HostOutputs(*jax.device_get((out.tokens, out.logprobs, out.num_accepted, out.accepted_logprobs,
-                                            out.drafts, out.row_ok, out.top_ids, out.top_logprobs,
-                                            out.prompt_logprobs, out.prompt_top_ids, out.prompt_top_logprobs)))
+        """The step's outputs on the host (the one device-to-host transfer of a step; the
+        outputs the step's shape makes empty, e.g. drafts without speculation or top
+        alternatives without logprobs, are made on the host instead of transferred)."""
+        outs = (out.tokens, out.logprobs, out.num_accepted, out.accepted_logprobs, out.drafts, out.row_ok, out.top_ids,
+                out.top_logprobs, out.prompt_logprobs, out.prompt_top_ids, out.prompt_top_logprobs)
+        fetched = iter(jax.device_get([x for x in outs if x.size]))
+        return HostOutputs(*(next(fetched) if x.size else np.zeros(x.shape, x.dtype) for x in outs))
 
     def _apply_pool(self) -> None:
         try:

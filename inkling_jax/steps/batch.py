@@ -11,6 +11,7 @@ them (`cache/state.py`).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Sequence, no_type_check
 
@@ -143,17 +144,25 @@ class StepBatch:
                             tokens_left=i32(b)))
 
 
+@functools.lru_cache(maxsize=256)
+def _field_shapes(shape: StepShape, spec_steps: int, max_stop_ids: int,
+                  max_logit_bias: int) -> tuple[tuple[str, str, tuple[int, ...]], ...]:
+    """(group, field, shape) of every array of a `shape` batch (check_batch runs every step)."""
+    want = StepBatch.empty(shape, spec_steps, max_stop_ids, max_logit_bias)
+    return tuple((group, name, tuple(getattr(getattr(want, group), name).shape))
+                 for group in ("layout", "slots", "sampling", "spec")
+                 for name in getattr(want, group).__dataclass_fields__)
+
+
 def check_batch(batch: StepBatch, shape: StepShape, spec_steps: int = 0,
                 max_stop_ids: int = DEFAULT_MAX_STOP_IDS, max_logit_bias: int = DEFAULT_MAX_LOGIT_BIAS) -> None:
     """Raise ValueError naming the first field whose shape does not fit the compiled bucket
     (before anything is donated, so the state is untouched)."""
-    want = StepBatch.empty(shape, spec_steps, max_stop_ids, max_logit_bias)
-    for group in ("layout", "slots", "sampling", "spec"):
-        for name in getattr(want, group).__dataclass_fields__:
-            got, expected = (tuple(getattr(getattr(x, group), name).shape) for x in (batch, want))
-            if got != expected:
-                raise ValueError(f"StepBatch.{group}.{name} has shape {got}; the compiled {shape.mode} bucket takes "
-                                 f"{expected} (batch {shape.batch}, tokens {shape.tokens}, pages {shape.pages})")
+    for group, name, expected in _field_shapes(shape, spec_steps, max_stop_ids, max_logit_bias):
+        got = tuple(getattr(getattr(batch, group), name).shape)
+        if got != expected:
+            raise ValueError(f"StepBatch.{group}.{name} has shape {got}; the compiled {shape.mode} bucket takes "
+                             f"{expected} (batch {shape.batch}, tokens {shape.tokens}, pages {shape.pages})")
 
 
 @dataclass
